@@ -1,0 +1,248 @@
+"""Public API: ``load`` a checkpoint, ``transcribe`` audio.
+
+Data flow of ``transcribe``: audio inputs -> 16 kHz mono (``audio.py``) -> 30 s windows -> groups of windows
+that fit the decoder's context (one group per audio up to 630 s, the reference's cap) -> log-mel features of
+all windows at once (``features.py``) -> encoder + projector over all windows -> one prompt per group with its
+audio rows in place (``tokenizer.py``) -> greedy decoding of all groups as one batch (``engine/generate.py``)
+-> text per audio (groups of one audio joined with a space).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .audio import Audio, AudioError, load_audio, split_windows
+from .config import GlmAsrConfig
+from .engine.generate import GenerationRequest, greedy_generate
+from .features import frames_to_audio_tokens, min_samples_for_one_token, num_valid_frames, whisper_features
+from .models.glmasr import GlmAsrModel
+from .tokenizer import PromptBuilder
+from .weights import DEFAULT_MODEL_ID, load_state_dict, read_config, resolve_checkpoint
+
+# The reference processor keeps at most int(655 // 30) = 21 windows (630 s) per prompt.
+MAX_WINDOWS_PER_PROMPT = 21
+# Default token budget: a generous bound on speech rate (fast speech is ~4-5 tokens/s) plus a margin,
+# so long audio is never cut at a fixed count the way a fixed max_new_tokens=128 would cut it.
+DEFAULT_TOKENS_PER_SECOND = 6.0
+DEFAULT_MIN_NEW_TOKENS = 32
+# Windows encoded per encoder call (bounds activation memory; attention is 1500 x 1500 per head).
+ENCODER_BATCH = 32
+
+
+@dataclass
+class Transcription:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop": an eos token ended every group; "length": a token budget ran out
+    duration_s: float
+    num_windows: int
+    num_audio_tokens: int = 0
+    num_groups: int = 1
+    timings_ms: dict = field(default_factory=dict)
+
+
+class GlmAsr:
+    """A loaded checkpoint: config, model, prompt builder, device and dtype."""
+
+    def __init__(self, config: GlmAsrConfig, model: GlmAsrModel, prompts: PromptBuilder, folder: Path):
+        self.config = config
+        self.model = model
+        self.prompts = prompts
+        self.folder = folder
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def __repr__(self) -> str:
+        return f"GlmAsr(folder={str(self.folder)!r}, device={self.device}, dtype={self.dtype})"
+
+
+def resolve_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N' ({e})") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device!r}: use 'cpu', 'cuda' or 'cuda:N'")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(_DTYPES)}")
+        return _DTYPES[dtype]
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported dtype {dtype}: use torch.float32, torch.bfloat16 or torch.float16")
+    return dtype
+
+
+def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None) -> GlmAsr:
+    """Load a GLM-ASR checkpoint (local folder or hub id) onto ``device`` (default: CUDA if present) in
+    ``dtype`` (default: bf16 on CUDA, fp32 on CPU)."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    folder = resolve_checkpoint(model)
+    cfg = read_config(folder)
+    with torch.device("meta"):
+        net = GlmAsrModel(cfg)
+    state = load_state_dict(folder, net, dev, dt)
+    net.load_state_dict(state, strict=True, assign=True)
+    net.eval().requires_grad_(False)
+    prompts = PromptBuilder.from_folder(folder, cfg.audio_token_id)
+    return GlmAsr(cfg, net, prompts, folder)
+
+
+@dataclass
+class _Group:
+    item: int
+    windows: list[int]  # indices into the flat window list
+    audio_tokens: int
+    seconds: float
+    max_new_tokens: int = 0
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+def default_max_new_tokens(seconds: float) -> int:
+    return DEFAULT_MIN_NEW_TOKENS + math.ceil(DEFAULT_TOKENS_PER_SECOND * seconds)
+
+
+def _plan_groups(item: int, window_lengths: list[int], first_window: int, overhead: int, max_positions: int,
+                 max_new_tokens: int | None) -> list[_Group]:
+    """Pack an audio's windows into prompts that fit the context: prompt + token budget <= max_positions."""
+    groups: list[_Group] = []
+    current: _Group | None = None
+    for offset, n in enumerate(window_lengths):
+        tokens = max(0, int(frames_to_audio_tokens(num_valid_frames(n))))
+        seconds = n / 16000
+        if current is not None:
+            grown_tokens = current.audio_tokens + tokens
+            grown_budget = max_new_tokens or default_max_new_tokens(current.seconds + seconds)
+            if (len(current.windows) < MAX_WINDOWS_PER_PROMPT
+                    and overhead + grown_tokens + grown_budget <= max_positions):
+                current.windows.append(first_window + offset)
+                current.audio_tokens = grown_tokens
+                current.seconds += seconds
+                continue
+        current = _Group(item, [first_window + offset], tokens, seconds)
+        budget = max_new_tokens or default_max_new_tokens(seconds)
+        if overhead + tokens + budget > max_positions:
+            raise ValueError(f"max_new_tokens={budget} leaves no room for one 30 s window: the prompt needs "
+                             f"{overhead + tokens} of the model's {max_positions} positions")
+        groups.append(current)
+    for g in groups:
+        g.max_new_tokens = max_new_tokens or default_max_new_tokens(g.seconds)
+    return groups
+
+
+def _as_batch(audio) -> tuple[list, bool]:
+    if isinstance(audio, (list, tuple)):
+        if not audio:
+            raise AudioError("transcribe() got an empty list of audio")
+        return list(audio), True
+    return [audio], False
+
+
+def transcribe(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new_tokens: int | None = None,
+               sampling_rate: int | None = None, device=None, ignore_eos: bool = False):
+    """Transcribe one audio input or a list of them (one batch).
+
+    audio: a file path, a numpy array or a torch tensor (then ``sampling_rate`` is required), or a list of
+    these. model: a ``GlmAsr`` from ``load`` or anything ``load`` accepts. prompt: replaces the default
+    instruction. max_new_tokens: token budget per prompt (default grows with duration). ignore_eos: decode
+    exactly max_new_tokens tokens (benchmarking). Returns a ``Transcription`` or a list of them.
+    """
+    t0 = time.perf_counter()
+    if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+                                       or max_new_tokens < 1):
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if prompt is not None and not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
+    asr = model if isinstance(model, GlmAsr) else load(model, device=device)
+    items, batched = _as_batch(audio)
+    audios: list[Audio] = [load_audio(a, sampling_rate) for a in items]
+    min_samples = min_samples_for_one_token(asr.config.merge_factor)
+    for a in audios:
+        if a.samples.shape[0] < min_samples:
+            raise AudioError(f"{a.source}: audio is too short ({a.samples.shape[0]} samples = "
+                             f"{1000 * a.duration_s:.1f} ms at 16 kHz); at least {min_samples} samples "
+                             f"({1000 * min_samples / 16000:.1f} ms) are needed for one audio token")
+    t_audio = time.perf_counter()
+
+    overhead = len(asr.prompts.encode(1, prompt)) - 1
+    max_positions = asr.config.text.max_position_embeddings
+    pieces: list[np.ndarray] = []
+    groups: list[_Group] = []
+    windows_per_item: list[int] = []
+    for idx, a in enumerate(audios):
+        wins = split_windows(a.samples)
+        windows_per_item.append(len(wins))
+        groups += _plan_groups(idx, [w.shape[0] for w in wins], len(pieces), overhead, max_positions,
+                               max_new_tokens)
+        pieces += wins
+
+    dev = asr.device
+    # Windows that carry no audio token (a tail shorter than 60 ms) need no encoding.
+    needed = sorted({w for g in groups for w in g.windows})
+    feats, _ = whisper_features([torch.from_numpy(pieces[w]) for w in needed], asr.config.audio.num_mel_bins,
+                                device=dev)
+    t_feat = time.perf_counter()
+    with torch.inference_mode():
+        embeds = torch.cat([asr.model.encode_audio(feats[i: i + ENCODER_BATCH])
+                            for i in range(0, feats.shape[0], ENCODER_BATCH)])
+        row_of = {w: i for i, w in enumerate(needed)}
+        requests = []
+        for g in groups:
+            rows = []
+            for w in g.windows:
+                n = max(0, int(frames_to_audio_tokens(num_valid_frames(pieces[w].shape[0]))))
+                rows.append(embeds[row_of[w], :n])
+            audio_rows = torch.cat(rows)
+            g.prompt_ids = asr.prompts.encode(g.audio_tokens, prompt)
+            ids = torch.tensor(g.prompt_ids, device=dev)
+            requests.append(GenerationRequest(asr.model.embed_prompt(ids, audio_rows), g.max_new_tokens))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t_enc = time.perf_counter()
+    results = greedy_generate(asr.model, requests, asr.config.text.eos_token_ids, ignore_eos=ignore_eos)
+    t_dec = time.perf_counter()
+
+    out: list[Transcription] = []
+    timings = {"audio_ms": 1e3 * (t_audio - t0), "features_ms": 1e3 * (t_feat - t_audio),
+               "encoder_ms": 1e3 * (t_enc - t_feat), "decoder_ms": 1e3 * (t_dec - t_enc),
+               "total_ms": 1e3 * (time.perf_counter() - t0)}
+    for idx, a in enumerate(audios):
+        mine = [(g, r) for g, r in zip(groups, results) if g.item == idx]
+        texts = [asr.prompts.decode(r.token_ids).strip() for _, r in mine]
+        token_ids = [t for _, r in mine for t in r.token_ids]
+        reason = "length" if any(r.finish_reason == "length" for _, r in mine) else "stop"
+        out.append(Transcription(text=" ".join(t for t in texts if t), token_ids=token_ids, finish_reason=reason,
+                                 duration_s=a.duration_s, num_windows=windows_per_item[idx],
+                                 num_audio_tokens=sum(g.audio_tokens for g, _ in mine), num_groups=len(mine),
+                                 timings_ms=dict(timings)))
+    return out if batched else out[0]

@@ -1,0 +1,1 @@
+"""Engine: KV cache and the generation loop."""

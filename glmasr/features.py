@@ -1,0 +1,172 @@
+"""Whisper log-mel features in plain PyTorch (the reference path; CPU and CUDA).
+
+Recipe (``shared/spec/logmel-frontend.md`` section 1), per 30 s window of 480000 samples at 16 kHz:
+reflect-padded centred STFT (n_fft 400, hop 160, periodic Hann), drop the last frame (3000 frames),
+power, Slaney mel filterbank (128 or 80 bins, 0-8000 Hz), log10 clamped at 1e-10, clamp at
+(window max - 8), then (x + 4) / 4. The max is taken per window over all mel bins and frames,
+padding included, exactly as ``transformers.WhisperFeatureExtractor`` does.
+
+This module is the reference that the fused CUDA frontend (``kernels/logmel``) is tested against,
+and the CPU path of the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+SAMPLE_RATE = 16000
+N_FFT = 400
+HOP_LENGTH = 160
+CHUNK_SECONDS = 30
+WINDOW_SAMPLES = SAMPLE_RATE * CHUNK_SECONDS  # 480000
+FRAMES_PER_WINDOW = WINDOW_SAMPLES // HOP_LENGTH  # 3000
+
+
+def _hz_to_mel_slaney(freq: np.ndarray) -> np.ndarray:
+    freq = np.asarray(freq, dtype=np.float64)
+    min_log_hz, min_log_mel = 1000.0, 15.0
+    logstep = 27.0 / np.log(6.4)
+    mels = 3.0 * freq / 200.0
+    log_region = freq >= min_log_hz
+    mels = np.where(log_region, min_log_mel + np.log(np.maximum(freq, 1e-30) / min_log_hz) * logstep, mels)
+    return mels
+
+
+def _mel_to_hz_slaney(mels: np.ndarray) -> np.ndarray:
+    mels = np.asarray(mels, dtype=np.float64)
+    min_log_hz, min_log_mel = 1000.0, 15.0
+    logstep = np.log(6.4) / 27.0
+    freq = 200.0 * mels / 3.0
+    log_region = mels >= min_log_mel
+    return np.where(log_region, min_log_hz * np.exp(logstep * (mels - min_log_mel)), freq)
+
+
+@functools.lru_cache(maxsize=16)
+def mel_filter_bank_np(
+    n_freqs: int = N_FFT // 2 + 1,
+    n_mels: int = 128,
+    f_min: float = 0.0,
+    f_max: float = 8000.0,
+    sample_rate: int = SAMPLE_RATE,
+) -> np.ndarray:
+    """Slaney-scale, Slaney-normalised triangular filters, shape (n_freqs, n_mels), float32.
+
+    Built in float64 and cast once, like ``transformers.audio_utils.mel_filter_bank(..., norm="slaney",
+    mel_scale="slaney")``: FFT bin k sits at ``k * sample_rate / (2 * (n_freqs - 1))`` Hz.
+    """
+    if n_mels < 1:
+        raise ValueError(f"n_mels must be >= 1, got {n_mels}")
+    if not 0.0 <= f_min < f_max <= sample_rate / 2:
+        raise ValueError(f"need 0 <= f_min < f_max <= sample_rate/2, got f_min={f_min}, f_max={f_max}")
+    mel_pts = np.linspace(_hz_to_mel_slaney(f_min), _hz_to_mel_slaney(f_max), n_mels + 2)
+    hz_pts = _mel_to_hz_slaney(mel_pts)
+    fft_freqs = np.linspace(0, sample_rate // 2, n_freqs)
+    diffs = np.diff(hz_pts)
+    slopes = hz_pts[None, :] - fft_freqs[:, None]  # (n_freqs, n_mels + 2)
+    down = -slopes[:, :-2] / diffs[:-1]
+    up = slopes[:, 2:] / diffs[1:]
+    filters = np.maximum(0.0, np.minimum(down, up))
+    enorm = 2.0 / (hz_pts[2 : n_mels + 2] - hz_pts[:n_mels])
+    filters = filters * enorm[None, :]
+    return filters.astype(np.float32)
+
+
+def mel_filter_bank(n_mels: int = 128, device: torch.device | str | None = None) -> torch.Tensor:
+    """The Whisper filterbank as a torch tensor of shape (201, n_mels), float32."""
+    return torch.from_numpy(mel_filter_bank_np(N_FFT // 2 + 1, n_mels)).to(device)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_constants(n_mels: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    window = torch.hann_window(N_FFT, periodic=True, dtype=torch.float32, device=device)
+    return window, mel_filter_bank(n_mels, device=device)
+
+
+def num_valid_frames(num_samples: int | torch.Tensor):
+    """Frames of a window that carry audio: ceil(valid_samples / 160) (the reference mask)."""
+    if isinstance(num_samples, torch.Tensor):
+        return (num_samples + HOP_LENGTH - 1) // HOP_LENGTH
+    return (int(num_samples) + HOP_LENGTH - 1) // HOP_LENGTH
+
+
+def log_mel_windows(windows: torch.Tensor, n_mels: int = 128) -> torch.Tensor:
+    """Whisper log-mel of full 30 s windows.
+
+    windows: (B, 480000) float32, already zero-padded; any device.
+    returns: (B, n_mels, 3000) float32 on the same device.
+    """
+    if windows.ndim != 2 or windows.shape[1] != WINDOW_SAMPLES:
+        raise ValueError(f"windows must have shape (B, {WINDOW_SAMPLES}), got {tuple(windows.shape)}")
+    windows = windows.to(torch.float32)
+    window, filters = _cached_constants(n_mels, str(windows.device))
+    spec = torch.stft(
+        windows, N_FFT, HOP_LENGTH, window=window, center=True, pad_mode="reflect", return_complex=True
+    )
+    power = spec[..., :-1].abs() ** 2  # (B, 201, 3000): the reference drops the last frame
+    mel = filters.T @ power  # (B, n_mels, 3000)
+    log_spec = torch.clamp(mel, min=1e-10).log10()
+    window_max = log_spec.amax(dim=(1, 2), keepdim=True)
+    log_spec = torch.maximum(log_spec, window_max - 8.0)
+    return (log_spec + 4.0) / 4.0
+
+
+def pad_windows(pieces: list[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
+    """Stack 1-D pieces of at most 480000 samples into zero-padded (B, 480000) windows."""
+    out = torch.zeros(len(pieces), WINDOW_SAMPLES, dtype=torch.float32, device=device)
+    for i, piece in enumerate(pieces):
+        if piece.ndim != 1 or piece.numel() > WINDOW_SAMPLES:
+            raise ValueError(f"window piece {i} must be 1-D with at most {WINDOW_SAMPLES} samples")
+        out[i, : piece.numel()] = piece.to(device=out.device, dtype=torch.float32)
+    return out
+
+
+def whisper_features(
+    pieces: list[torch.Tensor], n_mels: int = 128, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features and frame mask for a list of window pieces (each <= 30 s of 16 kHz mono audio).
+
+    returns (features (B, n_mels, 3000) float32, mask (B, 3000) int32 with the first
+    ceil(len/160) frames set).
+    """
+    windows = pad_windows(pieces, device=device)
+    feats = log_mel_windows(windows, n_mels)
+    lengths = torch.tensor([p.numel() for p in pieces], device=feats.device)
+    frames = num_valid_frames(lengths)
+    mask = (torch.arange(FRAMES_PER_WINDOW, device=feats.device)[None, :] < frames[:, None]).to(torch.int32)
+    return feats, mask
+
+
+def frames_to_audio_tokens(frames: int | torch.Tensor, merge_factor: int = 4):
+    """Audio tokens from valid mel frames: conv2 halves (ceil), then a 4-frame merge (floor).
+
+    Equals the reference processor's formula; <= 0 means the audio is too short for one token.
+    """
+    conv2 = (frames - 1) // 2 + 1
+    return (conv2 - merge_factor) // merge_factor + 1
+
+
+def min_samples_for_one_token(merge_factor: int = 4) -> int:
+    """Smallest number of 16 kHz samples that yields one audio token (961 for merge 4)."""
+    frames_needed = 2 * merge_factor - 1  # ceil(F/2) >= 4  <=>  F >= 7
+    return (frames_needed - 1) * HOP_LENGTH + 1
+
+
+__all__ = [
+    "SAMPLE_RATE",
+    "N_FFT",
+    "HOP_LENGTH",
+    "WINDOW_SAMPLES",
+    "FRAMES_PER_WINDOW",
+    "mel_filter_bank",
+    "mel_filter_bank_np",
+    "log_mel_windows",
+    "pad_windows",
+    "whisper_features",
+    "num_valid_frames",
+    "frames_to_audio_tokens",
+    "min_samples_for_one_token",
+]
+

@@ -1,0 +1,1 @@
+"""Model definitions (plain-PyTorch reference path)."""

@@ -1,0 +1,58 @@
+"""GLM-ASR: audio encoder + projector + Llama decoder + lm head (reference path).
+
+The module tree and parameter names mirror the checkpoint's key layout (``audio_tower``,
+``multi_modal_projector``, ``language_model``, ``lm_head``), so weights load by name with no renaming
+inside the model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import GlmAsrConfig
+from ..engine.kv_cache import KVCache
+from .decoder import TextDecoder
+from .encoder import AudioEncoder
+from .projector import AudioProjector
+
+
+class GlmAsrModel(nn.Module):
+    def __init__(self, cfg: GlmAsrConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.audio_tower = AudioEncoder(cfg.audio)
+        self.multi_modal_projector = AudioProjector(cfg)
+        self.language_model = TextDecoder(cfg.text)
+        self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def encode_audio(self, features: torch.Tensor) -> torch.Tensor:
+        """Log-mel windows (W, n_mels, 3000) -> projected audio embeddings (W, 375, text_hidden)."""
+        return self.multi_modal_projector(self.audio_tower(features))
+
+    def embed_prompt(self, input_ids: torch.Tensor, audio_rows: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (L, hidden) of one prompt with its audio placeholders replaced, in order,
+        by ``audio_rows`` (N, hidden)."""
+        embeds = self.language_model.embed_tokens(input_ids)
+        slots = input_ids == self.cfg.audio_token_id
+        n_slots = int(slots.sum())
+        if n_slots != audio_rows.shape[0]:
+            raise ValueError(f"prompt has {n_slots} audio placeholder tokens but the audio gives "
+                             f"{audio_rows.shape[0]} embeddings")
+        embeds[slots] = audio_rows.to(embeds.dtype)
+        return embeds
+
+    def decode(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int) -> torch.Tensor:
+        """Run the decoder on embeddings at positions; returns final-normed hidden states."""
+        return self.language_model(embeds, positions, cache, kv_len)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

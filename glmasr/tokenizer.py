@@ -1,0 +1,119 @@
+"""Tokenizer and the transcription prompt.
+
+The tokenizer comes from the checkpoint folder (``transformers.AutoTokenizer``). Every special token id is
+read from it; none is hard-coded. The prompt for one audio with N audio tokens is rendered here, exactly as
+the reference chat template plus processor produce it (``shared/spec/glmasr-model.md`` section 1.4):
+
+    <|user|>\\n<|begin_of_audio|><|pad|>*N<|end_of_audio|><|user|>\\n{prompt}<|assistant|>\\n
+
+and the whole string is tokenized like ``GlmAsrProcessor`` does: with the tokenizer's default special-token
+handling, unless the text starts with the BOS token (then without), so a tokenizer that adds prefix tokens
+gives the same ids as transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+DEFAULT_PROMPT = "Please transcribe this audio into text"
+AUDIO_TOKEN = "<|pad|>"
+USER, ASSISTANT = "<|user|>", "<|assistant|>"
+BEGIN_AUDIO, END_AUDIO = "<|begin_of_audio|>", "<|end_of_audio|>"
+
+
+class TokenizerError(RuntimeError):
+    pass
+
+
+def _processor_settings(folder: Path) -> dict:
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        p = folder / name
+        if p.exists():
+            try:
+                data = json.loads(p.read_text())
+            except json.JSONDecodeError as e:
+                raise TokenizerError(f"{p} is not valid JSON: {e}") from None
+            if isinstance(data, dict) and ("audio_token" in data or "default_transcription_prompt" in data):
+                return data
+    return {}
+
+
+class PromptBuilder:
+    """Renders and tokenizes GLM-ASR transcription prompts with one checkpoint's tokenizer."""
+
+    def __init__(self, tokenizer, audio_token_id: int, default_prompt: str = DEFAULT_PROMPT,
+                 audio_token: str = AUDIO_TOKEN, chat_template: str | None = None):
+        self.tokenizer = tokenizer
+        self.audio_token = audio_token
+        self.default_prompt = default_prompt
+        self.special_ids = {}
+        for tok in (USER, ASSISTANT, BEGIN_AUDIO, END_AUDIO, audio_token):
+            ids = tokenizer.convert_tokens_to_ids([tok])
+            tid = ids[0] if ids else None
+            if tid is None or tid == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens([tid])[0] != tok:
+                raise TokenizerError(f"the checkpoint's tokenizer has no special token {tok!r}")
+            self.special_ids[tok] = tid
+        if self.special_ids[audio_token] != audio_token_id:
+            raise TokenizerError(f"audio placeholder {audio_token!r} is id {self.special_ids[audio_token]} in the "
+                                 f"tokenizer but audio_token_id is {audio_token_id} in config.json")
+        self.audio_token_id = audio_token_id
+        self.chat_template = chat_template
+        if chat_template:
+            self._check_chat_template(chat_template)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, audio_token_id: int) -> "PromptBuilder":
+        from transformers import AutoTokenizer
+
+        folder = Path(folder)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        except Exception as e:
+            raise TokenizerError(f"cannot load the tokenizer from {folder} ({type(e).__name__}: {e}); a checkpoint "
+                                 f"folder needs tokenizer.json and tokenizer_config.json") from None
+        settings = _processor_settings(folder)
+        template = getattr(tokenizer, "chat_template", None)
+        if not template and (folder / "chat_template.jinja").exists():
+            template = (folder / "chat_template.jinja").read_text()
+        return cls(tokenizer, audio_token_id,
+                   default_prompt=settings.get("default_transcription_prompt", DEFAULT_PROMPT),
+                   audio_token=settings.get("audio_token", AUDIO_TOKEN), chat_template=template)
+
+    def render(self, num_audio_tokens: int, prompt: str | None = None) -> str:
+        text = self.default_prompt if prompt is None else prompt
+        return (f"{USER}\n{BEGIN_AUDIO}{self.audio_token * num_audio_tokens}{END_AUDIO}"
+                f"{USER}\n{text}{ASSISTANT}\n")
+
+    def encode(self, num_audio_tokens: int, prompt: str | None = None) -> list[int]:
+        if num_audio_tokens < 1:
+            raise ValueError(f"a prompt needs at least one audio token, got {num_audio_tokens}")
+        text = self.render(num_audio_tokens, prompt)
+        bos = getattr(self.tokenizer, "bos_token", None)
+        add_special = not (bos is not None and text.startswith(bos))
+        ids = list(self.tokenizer(text, add_special_tokens=add_special)["input_ids"])
+        if ids.count(self.audio_token_id) != num_audio_tokens:
+            raise TokenizerError(f"tokenizing the prompt gave {ids.count(self.audio_token_id)} audio placeholders, "
+                                 f"expected {num_audio_tokens}; does the custom prompt contain {self.audio_token!r}?")
+        return ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _check_chat_template(self, template: str) -> None:
+        """The checkpoint's own template must render the same string as ``render`` (warn if not)."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        conversation = [{"role": "user", "content": [{"type": "audio", "path": "x.wav"},
+                                                     {"type": "text", "text": self.default_prompt}]}]
+        try:
+            rendered, _ = render_jinja_template(conversations=[conversation], chat_template=template,
+                                                add_generation_prompt=True,
+                                                **getattr(self.tokenizer, "special_tokens_map", {}))
+        except Exception as e:  # a template we cannot render is the checkpoint's problem, not fatal
+            warnings.warn(f"could not render the checkpoint's chat template ({e}); using the built-in prompt")
+            return
+        if rendered[0] != self.render(1):
+            warnings.warn(f"the checkpoint's chat template renders {rendered[0]!r}, which differs from the "
+                          f"GLM-ASR prompt {self.render(1)!r}; using the GLM-ASR prompt")

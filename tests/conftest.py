@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random GLM-ASR checkpoints (both key layouts) and the transformers oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from glmasr.random_checkpoint import build_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_shipped(tmp_path_factory):
+    """Tiny random checkpoint in the Hub's shipped layout (audio_tower.*, language_model.model.*, ...)."""
+    return build_checkpoint(tmp_path_factory.mktemp("tiny_shipped"), size="tiny", layout="shipped", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_transformers(tmp_path_factory):
+    """The same weights (same seed) in transformers' runtime layout (model.audio_tower.*, tied lm head)."""
+    return build_checkpoint(tmp_path_factory.mktemp("tiny_tf"), size="tiny", layout="transformers", seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_oracle(tiny_transformers):
+    from transformers import AutoProcessor, GlmAsrForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(str(tiny_transformers))
+    model = GlmAsrForConditionalGeneration.from_pretrained(str(tiny_transformers), dtype=torch.float32).eval()
+    return processor, model
+
+
+@pytest.fixture(scope="session")
+def tiny_asr(tiny_shipped):
+    import glmasr
+
+    return glmasr.load(tiny_shipped, device="cpu")
+
+
+def noise(seconds: float, seed: int, rate: int = 16000, scale: float = 0.1) -> np.ndarray:
+    """Fresh random audio (never zeros): noise with a slow amplitude envelope, like speech bursts."""
+    rng = np.random.default_rng(seed)
+    n = int(round(seconds * rate))
+    envelope = 0.5 + 0.5 * np.sin(np.linspace(0, 2 * np.pi * max(1.0, seconds / 2), n)) ** 2
+    return (rng.standard_normal(n) * scale * envelope).astype(np.float32)

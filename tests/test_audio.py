@@ -1,0 +1,127 @@
+"""Audio input: formats, rates, channels, PCM types, and clear errors for bad input."""
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+import glmasr
+from glmasr.audio import AudioError, load_audio, split_windows
+
+from conftest import noise
+
+
+def tone(seconds, rate, freq=440.0):
+    t = np.arange(int(seconds * rate)) / rate
+    return (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+@pytest.mark.parametrize("ext, subtype", [("wav", "PCM_16"), ("wav", "FLOAT"), ("flac", "PCM_16"), ("flac", "PCM_24")])
+def test_file_formats_at_16k(tmp_path, ext, subtype):
+    x = noise(1.5, 7, scale=0.2)
+    path = tmp_path / f"a.{ext}"
+    sf.write(path, x, 16000, subtype=subtype)
+    a = load_audio(str(path))
+    assert a.samples.dtype == np.float32 and a.samples.shape == x.shape
+    # 16-bit quantisation step is 1/32768 ~ 3e-5; 24-bit and float are finer.
+    np.testing.assert_allclose(a.samples, x, atol=4e-5)
+
+
+@pytest.mark.parametrize("rate", [8000, 44100])
+def test_resampled_to_16k(tmp_path, rate):
+    path = tmp_path / f"tone_{rate}.wav"
+    sf.write(path, tone(2.0, rate), rate, subtype="PCM_16")
+    a = load_audio(path)
+    assert abs(a.samples.shape[0] - 32000) <= 1
+    expected = tone(2.0, 16000)
+    # A band-limited resampler reproduces a 440 Hz tone to ~1e-3 away from the edges.
+    np.testing.assert_allclose(a.samples[800:-800], expected[800:-800], atol=2e-3)
+
+
+def test_stereo_is_averaged_to_mono(tmp_path):
+    left, right = noise(1.0, 1), noise(1.0, 2)
+    path = tmp_path / "stereo.flac"
+    sf.write(path, np.stack([left, right], axis=1), 16000, subtype="PCM_24")
+    a = load_audio(path)
+    np.testing.assert_allclose(a.samples, (left + right) / 2, atol=1e-6)
+    # arrays in either (samples, channels) or (channels, samples) orientation
+    both = np.stack([left, right])
+    np.testing.assert_allclose(load_audio(both, 16000).samples, (left + right) / 2, atol=1e-7)
+    np.testing.assert_allclose(load_audio(both.T.copy(), 16000).samples, (left + right) / 2, atol=1e-7)
+
+
+def test_int16_arrays_tensors_and_files_agree(tmp_path):
+    pcm = (noise(1.0, 3, scale=0.3) * 32767).astype(np.int16)
+    path = tmp_path / "int16.wav"
+    sf.write(path, pcm, 16000, subtype="PCM_16")
+    from_file = load_audio(path).samples
+    from_numpy = load_audio(pcm, 16000).samples
+    from_torch = load_audio(torch.from_numpy(pcm), 16000).samples
+    np.testing.assert_array_equal(from_numpy, pcm.astype(np.float32) / 32768)
+    np.testing.assert_array_equal(from_file, from_numpy)
+    np.testing.assert_array_equal(from_torch, from_numpy)
+
+
+def test_windows_split_like_the_reference():
+    x = noise(70.0, 9)
+    wins = split_windows(x)
+    assert [w.shape[0] for w in wins] == [480000, 480000, 160000]
+    assert np.array_equal(np.concatenate(wins), x)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(AudioError, match="not found.*nope.wav"):
+        load_audio(tmp_path / "nope.wav")
+
+
+def test_corrupt_file(tmp_path):
+    path = tmp_path / "broken.wav"
+    path.write_bytes(b"RIFF\x00\x00\x00\x00WAVEgarbage" + bytes(100))
+    with pytest.raises(AudioError, match="cannot decode.*broken.wav"):
+        load_audio(path)
+
+
+def test_empty_audio(tmp_path):
+    path = tmp_path / "empty.wav"
+    sf.write(path, np.zeros(0, dtype=np.float32), 16000)
+    with pytest.raises(AudioError, match="empty"):
+        load_audio(path)
+    with pytest.raises(AudioError, match="empty"):
+        load_audio(np.zeros(0, dtype=np.float32), 16000)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_samples(bad):
+    x = noise(1.0, 4)
+    x[100] = bad
+    with pytest.raises(AudioError, match="NaN or infinite"):
+        load_audio(x, 16000)
+
+
+def test_array_needs_sampling_rate_and_a_sane_one():
+    with pytest.raises(AudioError, match="sampling_rate"):
+        load_audio(noise(1.0, 5))
+    with pytest.raises(AudioError, match="sampling_rate"):
+        load_audio(noise(1.0, 5), 0)
+    with pytest.raises(AudioError, match="sampling_rate"):
+        load_audio(noise(1.0, 5), 16000.5)
+
+
+def test_file_rate_mismatch_is_an_error(tmp_path):
+    path = tmp_path / "a.wav"
+    sf.write(path, noise(1.0, 6), 16000)
+    with pytest.raises(AudioError, match="16000 Hz but sampling_rate=8000"):
+        load_audio(path, 8000)
+
+
+def test_too_short_for_one_audio_token(tiny_asr):
+    with pytest.raises(AudioError, match="too short.*961 samples"):
+        glmasr.transcribe(noise(0.05, 1), model=tiny_asr, sampling_rate=16000)
+    # 961 samples is exactly enough
+    r = glmasr.transcribe(noise(961 / 16000, 2), model=tiny_asr, sampling_rate=16000, max_new_tokens=2)
+    assert r.num_audio_tokens == 1
+
+
+def test_unsupported_input_type(tiny_asr):
+    with pytest.raises(AudioError, match="unsupported audio input type"):
+        glmasr.transcribe(12345, model=tiny_asr)
