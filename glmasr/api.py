@@ -21,6 +21,7 @@ import torch
 from .audio import Audio, AudioError, load_audio, split_windows
 from .config import GlmAsrConfig
 from .engine.generate import GenerationRequest, greedy_generate
+from .engine.kv_cache import KVCache
 from .features import frames_to_audio_tokens, min_samples_for_one_token, num_valid_frames, whisper_features
 from .models.glmasr import GlmAsrModel
 from .tokenizer import PromptBuilder
@@ -102,11 +103,19 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None) -> GlmAsr:
+BACKENDS = ("auto", "torch", "triton")
+
+
+def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, backend: str = "auto") -> GlmAsr:
     """Load a GLM-ASR checkpoint (local folder or hub id) onto ``device`` (default: CUDA if present) in
-    ``dtype`` (default: bf16 on CUDA, fp32 on CPU)."""
+    ``dtype`` (default: bf16 on CUDA, fp32 on CPU). ``backend``: "torch" (plain-PyTorch reference path),
+    "triton" (Triton kernels + fused weight cache, CUDA only) or "auto" (triton on CUDA, torch on CPU)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: use one of {BACKENDS}")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    if backend == "triton" and dev.type != "cuda":
+        raise ValueError(f"backend='triton' needs a CUDA device, got {dev}")
     folder = resolve_checkpoint(model)
     cfg = read_config(folder)
     with torch.device("meta"):
@@ -115,6 +124,10 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None) -
     net.load_state_dict(state, strict=True, assign=True)
     net.eval().requires_grad_(False)
     prompts = PromptBuilder.from_folder(folder, cfg.audio_token_id)
+    if backend == "triton" or (backend == "auto" and dev.type == "cuda"):
+        from .models.fast import FastGlmAsrModel
+
+        net = FastGlmAsrModel(net)
     return GlmAsr(cfg, net, prompts, folder)
 
 
@@ -168,23 +181,19 @@ def _as_batch(audio) -> tuple[list, bool]:
     return [audio], False
 
 
-def transcribe(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new_tokens: int | None = None,
-               sampling_rate: int | None = None, device=None, ignore_eos: bool = False):
-    """Transcribe one audio input or a list of them (one batch).
+@dataclass
+class _Prepared:
+    audios: list[Audio]
+    groups: list[_Group]
+    requests: list[GenerationRequest]
+    windows_per_item: list[int]
+    timings_ms: dict
 
-    audio: a file path, a numpy array or a torch tensor (then ``sampling_rate`` is required), or a list of
-    these. model: a ``GlmAsr`` from ``load`` or anything ``load`` accepts. prompt: replaces the default
-    instruction. max_new_tokens: token budget per prompt (default grows with duration). ignore_eos: decode
-    exactly max_new_tokens tokens (benchmarking). Returns a ``Transcription`` or a list of them.
-    """
+
+def _prepare(asr: GlmAsr, items: list, prompt: str | None, max_new_tokens: int | None,
+             sampling_rate: int | None) -> _Prepared:
+    """Audio -> windows -> groups -> features -> encoder/projector -> prompt embeddings, one per group."""
     t0 = time.perf_counter()
-    if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
-                                       or max_new_tokens < 1):
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if prompt is not None and not isinstance(prompt, str):
-        raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
-    asr = model if isinstance(model, GlmAsr) else load(model, device=device)
-    items, batched = _as_batch(audio)
     audios: list[Audio] = [load_audio(a, sampling_rate) for a in items]
     min_samples = min_samples_for_one_token(asr.config.merge_factor)
     for a in audios:
@@ -222,27 +231,71 @@ def transcribe(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new
             for w in g.windows:
                 n = max(0, int(frames_to_audio_tokens(num_valid_frames(pieces[w].shape[0]))))
                 rows.append(embeds[row_of[w], :n])
-            audio_rows = torch.cat(rows)
             g.prompt_ids = asr.prompts.encode(g.audio_tokens, prompt)
             ids = torch.tensor(g.prompt_ids, device=dev)
-            requests.append(GenerationRequest(asr.model.embed_prompt(ids, audio_rows), g.max_new_tokens))
+            requests.append(GenerationRequest(asr.model.embed_prompt(ids, torch.cat(rows)), g.max_new_tokens))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     t_enc = time.perf_counter()
-    results = greedy_generate(asr.model, requests, asr.config.text.eos_token_ids, ignore_eos=ignore_eos)
-    t_dec = time.perf_counter()
+    timings = {"audio_ms": 1e3 * (t_audio - t0), "features_ms": 1e3 * (t_feat - t_audio),
+               "encoder_ms": 1e3 * (t_enc - t_feat)}
+    return _Prepared(audios, groups, requests, windows_per_item, timings)
+
+
+def _check_options(max_new_tokens, prompt) -> None:
+    if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+                                       or max_new_tokens < 1):
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if prompt is not None and not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
+
+
+def transcribe(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new_tokens: int | None = None,
+               sampling_rate: int | None = None, device=None, ignore_eos: bool = False):
+    """Transcribe one audio input or a list of them (one batch).
+
+    audio: a file path, a numpy array or a torch tensor (then ``sampling_rate`` is required), or a list of
+    these. model: a ``GlmAsr`` from ``load`` or anything ``load`` accepts. prompt: replaces the default
+    instruction. max_new_tokens: token budget per prompt (default grows with duration). ignore_eos: decode
+    exactly max_new_tokens tokens (benchmarking). Returns a ``Transcription`` or a list of them.
+    """
+    t0 = time.perf_counter()
+    _check_options(max_new_tokens, prompt)
+    asr = model if isinstance(model, GlmAsr) else load(model, device=device)
+    items, batched = _as_batch(audio)
+    prep = _prepare(asr, items, prompt, max_new_tokens, sampling_rate)
+    t_dec0 = time.perf_counter()
+    results = greedy_generate(asr.model, prep.requests, asr.config.text.eos_token_ids, ignore_eos=ignore_eos)
+    timings = dict(prep.timings_ms, decoder_ms=1e3 * (time.perf_counter() - t_dec0),
+                   total_ms=1e3 * (time.perf_counter() - t0))
 
     out: list[Transcription] = []
-    timings = {"audio_ms": 1e3 * (t_audio - t0), "features_ms": 1e3 * (t_feat - t_audio),
-               "encoder_ms": 1e3 * (t_enc - t_feat), "decoder_ms": 1e3 * (t_dec - t_enc),
-               "total_ms": 1e3 * (time.perf_counter() - t0)}
-    for idx, a in enumerate(audios):
-        mine = [(g, r) for g, r in zip(groups, results) if g.item == idx]
+    for idx, a in enumerate(prep.audios):
+        mine = [(g, r) for g, r in zip(prep.groups, results) if g.item == idx]
         texts = [asr.prompts.decode(r.token_ids).strip() for _, r in mine]
         token_ids = [t for _, r in mine for t in r.token_ids]
         reason = "length" if any(r.finish_reason == "length" for _, r in mine) else "stop"
         out.append(Transcription(text=" ".join(t for t in texts if t), token_ids=token_ids, finish_reason=reason,
-                                 duration_s=a.duration_s, num_windows=windows_per_item[idx],
+                                 duration_s=a.duration_s, num_windows=prep.windows_per_item[idx],
                                  num_audio_tokens=sum(g.audio_tokens for g, _ in mine), num_groups=len(mine),
                                  timings_ms=dict(timings)))
     return out if batched else out[0]
+
+
+@torch.inference_mode()
+def teacher_forced_logits(asr: GlmAsr, audio, forced_ids: list[int], prompt: str | None = None,
+                          sampling_rate: int | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Logits (len(forced_ids) + 1, vocab), fp32, predicting each forced token and the one after it, for one
+    audio of at most one window group. Also returns the prompt ids. Used to compare with other implementations."""
+    prep = _prepare(asr, [audio], prompt, None, sampling_rate)
+    if len(prep.requests) != 1:
+        raise ValueError("teacher forcing takes audio that fits one prompt (<= 630 s)")
+    prompt_embeds = prep.requests[0].prompt_embeds
+    forced = torch.tensor(forced_ids, device=asr.device, dtype=torch.long)
+    embeds = torch.cat([prompt_embeds, asr.model.embed_tokens(forced)])[None]
+    total = embeds.shape[1]
+    cache = KVCache(asr.config.text, 1, total, asr.device, asr.dtype)
+    positions = torch.arange(total, device=asr.device)[None]
+    hidden = asr.model.decode(embeds, positions, cache, kv_len=total)
+    start = prompt_embeds.shape[0] - 1
+    return asr.model.logits(hidden[0, start:]), prep.groups[0].prompt_ids

@@ -28,15 +28,33 @@ def hf_generate(oracle, audios, max_new_tokens=MAX_NEW, prompt=None):
     return results
 
 
+def assert_same_greedy_tokens(ours, ref, oracle, audio, prompt=None):
+    """Token lists must be equal. The only accepted difference is a genuine near-tie: at the first differing
+    step, transformers' own top-2 logits are within 1e-5 (fp32 rounding of two different but equivalent
+    op orders can flip such a tie); anything else is a real mismatch."""
+    if ours == ref:
+        return
+    j = next(i for i in range(min(len(ours), len(ref)) + 1) if i >= min(len(ours), len(ref)) or ours[i] != ref[i])
+    processor, model = oracle
+    inputs = processor.apply_transcription_request([audio], prompt=prompt)
+    ids = torch.cat([inputs["input_ids"], torch.tensor([ref[:j]], dtype=torch.long)], dim=1)
+    with torch.inference_mode():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), input_features=inputs["input_features"],
+                       input_features_mask=inputs["input_features_mask"]).logits[0, -1]
+    top2 = logits.topk(2).values
+    assert (top2[0] - top2[1]).item() < 1e-5, f"tokens differ at step {j}: ours {ours[j:j + 5]}, ref {ref[j:j + 5]}"
+
+
 @pytest.mark.parametrize("seconds", [[3.5], [30.0], [70.0], [1.0, 12.0, 45.0]],
                          ids=["3.5s", "30s", "70s-3windows", "batch-1-12-45s"])
 def test_greedy_tokens_equal_transformers(tiny_asr, hf_oracle, seconds):
     audios = [noise(s, seed=i + int(10 * s)) for i, s in enumerate(seconds)]
     expected = hf_generate(hf_oracle, audios)
     results = glmasr.transcribe(audios, model=tiny_asr, sampling_rate=16000, max_new_tokens=MAX_NEW)
-    for r, (ids, reason), s in zip(results, expected, seconds):
-        assert r.token_ids == ids
-        assert r.finish_reason == reason
+    for r, (ids, reason), s, audio in zip(results, expected, seconds, audios):
+        assert_same_greedy_tokens(r.token_ids, ids, hf_oracle, audio)
+        if r.token_ids == ids:
+            assert r.finish_reason == reason
         assert r.num_windows == max(1, int(np.ceil(s / 30)))
         assert r.duration_s == pytest.approx(s)
 
@@ -73,7 +91,7 @@ def test_stops_at_any_eos_id(eos_override):
 
 def test_default_budget_grows_with_duration(tiny_asr):
     assert default_max_new_tokens(3.5) < default_max_new_tokens(30) < default_max_new_tokens(300)
-    r = glmasr.transcribe(noise(3.5, 8), model=tiny_asr, sampling_rate=16000)
+    r = glmasr.transcribe(noise(3.5, 8), model=tiny_asr, sampling_rate=16000, ignore_eos=True)
     assert len(r.token_ids) == default_max_new_tokens(3.5) and r.finish_reason == "length"
 
 
@@ -90,7 +108,7 @@ def test_custom_prompt_changes_the_input(tiny_asr, hf_oracle):
     expected = hf_generate(hf_oracle, [audio], prompt="Transcribe in French")[0]
     r = glmasr.transcribe(audio, model=tiny_asr, sampling_rate=16000, max_new_tokens=MAX_NEW,
                           prompt="Transcribe in French")
-    assert r.token_ids == expected[0]
+    assert_same_greedy_tokens(r.token_ids, expected[0], hf_oracle, audio, prompt="Transcribe in French")
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])
@@ -142,3 +160,23 @@ def test_cuda_fp32_tokens_equal_cpu(tiny_shipped):
     gpu = glmasr.transcribe(audios, model=glmasr.load(tiny_shipped, device="cuda", dtype="float32"),
                             sampling_rate=16000, max_new_tokens=MAX_NEW)
     assert [r.token_ids for r in gpu] == [r.token_ids for r in cpu]
+
+
+def test_teacher_forced_logits_match_transformers(tiny_asr, hf_oracle):
+    """fp32 logits over a 3.5 s prompt plus 10 forced tokens: same function, so differences are rounding
+    (observed ~1e-7); 1e-5 relative to the largest logit leaves room for BLAS order."""
+    from glmasr.api import teacher_forced_logits
+
+    processor, model = hf_oracle
+    audio = noise(3.5, 77)
+    forced = torch.randint(0, 256, (10,), generator=torch.Generator().manual_seed(3)).tolist()
+    ours, prompt_ids = teacher_forced_logits(tiny_asr, audio, forced, sampling_rate=16000)
+    inputs = processor.apply_transcription_request([audio])
+    assert inputs["input_ids"][0].tolist() == prompt_ids
+    ids = torch.cat([inputs["input_ids"], torch.tensor([forced])], dim=1)
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        ref = model(input_ids=ids, attention_mask=mask, input_features=inputs["input_features"],
+                    input_features_mask=inputs["input_features_mask"]).logits[0, len(prompt_ids) - 1:]
+    assert ours.shape == ref.shape
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-5

@@ -58,7 +58,6 @@ def greedy_generate(model, requests: list[GenerationRequest], eos_token_ids, ign
     outputs: list[list[int]] = [[] for _ in range(batch)]
     results: list[GenerationResult | None] = [None] * batch
     position = lengths_t.clone()  # where each sequence's next fed token goes
-    embed = model.language_model.embed_tokens
     for _ in range(max(budgets)):
         for i, tok in enumerate(next_tokens.tolist()):
             if results[i] is not None:
@@ -73,7 +72,7 @@ def greedy_generate(model, requests: list[GenerationRequest], eos_token_ids, ign
             break
         # Finished rows keep feeding at a fixed, in-range slot; their outputs are ignored.
         feed_pos = torch.clamp(position, max=capacity - 1)
-        hidden = model.decode(embed(next_tokens)[:, None], feed_pos[:, None], cache, kv_len=int(feed_pos.max()) + 1)
+        hidden = model.decode(model.embed_tokens(next_tokens)[:, None], feed_pos[:, None], cache, kv_len=int(feed_pos.max()) + 1)
         next_tokens = model.logits(hidden[:, 0]).argmax(-1)
         active = torch.tensor([r is None for r in results], device=device)
         position = position + active.to(position.dtype)

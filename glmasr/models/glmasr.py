@@ -38,6 +38,9 @@ class GlmAsrModel(nn.Module):
         """Log-mel windows (W, n_mels, 3000) -> projected audio embeddings (W, 375, text_hidden)."""
         return self.multi_modal_projector(self.audio_tower(features))
 
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_tokens(ids)
+
     def embed_prompt(self, input_ids: torch.Tensor, audio_rows: torch.Tensor) -> torch.Tensor:
         """Token embeddings (L, hidden) of one prompt with its audio placeholders replaced, in order,
         by ``audio_rows`` (N, hidden)."""

@@ -1,0 +1,175 @@
+"""GPU model path: the GLM-ASR forward pass on our Triton kernels over a fused weight cache.
+
+Same interface as ``GlmAsrModel`` (``encode_audio``, ``embed_prompt``, ``embed_tokens``, ``decode``,
+``logits``), so the engine loop runs either. Built once at load from a loaded reference model:
+
+- Weight cache: per decoder layer one fused ``[q; k; v]`` matrix (3072 x 2048) and one fused ``[gate; up]``
+  matrix (12288 x 2048); per encoder layer a fused ``[q; k; v]`` matrix (3840 x 1280) with a fused bias whose
+  k part is zero (the encoder's k_proj has no bias). The reference modules' separate q/k/v (gate/up) weights
+  are re-pointed to row slices of the fused tensors, so both paths share one copy of every weight and the
+  reference path stays usable on the same object (``.reference``) for checks.
+- Kernels: LayerNorm / RMSNorm fused with the residual add (``kernels.layernorm``, ``kernels.rmsnorm``), RoPE
+  on q and k in one launch, for the decoder fused with the KV-cache append (``kernels.rope``), decode attention
+  straight from the KV buffer with per-sequence lengths (``kernels.decode_attention``), SwiGLU over the merged
+  gate|up output and exact GELU with the GEMM's bias (``kernels.activations``). GEMMs are cuBLAS
+  (``F.linear``); encoder and prefill attention use torch SDPA (flash / cuDNN backends).
+
+Contract of ``decode``: either a prefill from slot 0 (``positions`` = 0..T-1 for every row, ``kv_len == T``)
+or one token per sequence (T == 1) at per-sequence positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels._triton_utils import interpreting
+from kernels.activations import gelu_bias, swiglu
+from kernels.decode_attention import decode_attention
+from kernels.layernorm import layer_norm
+from kernels.rmsnorm import rms_norm
+from kernels.rope import build_rope_cache, rope_, rope_and_append
+
+from ..engine.kv_cache import KVCache
+from .glmasr import GlmAsrModel
+
+
+def _share(linear: nn.Linear, rows: torch.Tensor) -> None:
+    """Point a reference Linear's weight at a slice of a fused matrix (no copy)."""
+    linear.weight = nn.Parameter(rows, requires_grad=False)
+
+
+class _EncoderLayerWeights:
+    def __init__(self, layer):
+        attn = layer.self_attn
+        width = attn.q_proj.weight.shape[0]
+        self.w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).contiguous()
+        zeros = torch.zeros(width, device=self.w_qkv.device, dtype=self.w_qkv.dtype)
+        self.b_qkv = torch.cat([attn.q_proj.bias, zeros, attn.v_proj.bias]).contiguous()
+        for i, lin in enumerate((attn.q_proj, attn.k_proj, attn.v_proj)):
+            _share(lin, self.w_qkv[i * width:(i + 1) * width])
+        self.w_o, self.b_o = attn.o_proj.weight, attn.o_proj.bias
+        self.ln1 = (layer.input_layernorm.weight, layer.input_layernorm.bias)
+        self.ln2 = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.bias)
+        self.w_fc1, self.b_fc1 = layer.mlp.fc1.weight, layer.mlp.fc1.bias
+        self.w_fc2, self.b_fc2 = layer.mlp.fc2.weight, layer.mlp.fc2.bias
+
+
+class _DecoderLayerWeights:
+    def __init__(self, layer):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).contiguous()
+        nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+        _share(attn.q_proj, self.w_qkv[:nq])
+        _share(attn.k_proj, self.w_qkv[nq:nq + nk])
+        _share(attn.v_proj, self.w_qkv[nq + nk:])
+        self.w_gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous()
+        inter = mlp.gate_proj.weight.shape[0]
+        _share(mlp.gate_proj, self.w_gate_up[:inter])
+        _share(mlp.up_proj, self.w_gate_up[inter:])
+        self.w_o = attn.o_proj.weight
+        self.w_down = mlp.down_proj.weight
+        self.ln1 = layer.input_layernorm.weight
+        self.ln2 = layer.post_attention_layernorm.weight
+
+
+class FastGlmAsrModel:
+    """GLM-ASR on Triton kernels + cuBLAS GEMMs; see the module docstring."""
+
+    def __init__(self, reference: GlmAsrModel):
+        if reference.device.type != "cuda" and not interpreting():
+            raise ValueError("the Triton model path needs the weights on a CUDA device "
+                             "(or TRITON_INTERPRET=1 for CPU testing)")
+        self.reference = reference
+        self.cfg = cfg = reference.cfg
+        enc, dec = reference.audio_tower, reference.language_model
+        self.enc_layers = [_EncoderLayerWeights(layer) for layer in enc.layers]
+        self.dec_layers = [_DecoderLayerWeights(layer) for layer in dec.layers]
+        self.conv1, self.conv2 = enc.conv1, enc.conv2
+        self.enc_norm = (enc.norm.weight, enc.norm.bias)
+        self.proj = reference.multi_modal_projector
+        self.embedding = dec.embed_tokens.weight
+        self.final_norm = dec.norm.weight
+        self.lm_head = reference.lm_head.weight
+        dev = reference.device
+        self.enc_cos, self.enc_sin = build_rope_cache(cfg.audio.rotary_dim, cfg.audio.max_position_embeddings,
+                                                      cfg.audio.rope_theta, device=dev)
+        self.dec_cos, self.dec_sin = build_rope_cache(cfg.text.head_dim, cfg.text.max_position_embeddings,
+                                                      cfg.text.rope_theta, device=dev)
+
+    @property
+    def device(self) -> torch.device:
+        return self.reference.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.reference.dtype
+
+    # ---- audio ----
+    def encode_audio(self, features: torch.Tensor) -> torch.Tensor:
+        """Log-mel windows (W, n_mels, 3000) -> projected audio embeddings (W, 375, text_hidden)."""
+        a = self.cfg.audio
+        x = F.gelu(F.conv1d(features.to(self.dtype), self.conv1.weight, self.conv1.bias, padding=1))
+        x = F.gelu(F.conv1d(x, self.conv2.weight, self.conv2.bias, stride=2, padding=1))
+        residual = x.transpose(1, 2).contiguous()  # (W, T, hidden)
+        w, t, hidden = residual.shape
+        positions = torch.arange(t, device=x.device, dtype=torch.int32).expand(w, t)
+        eps = a.layer_norm_eps
+        h = layer_norm(residual, *self.enc_layers[0].ln1, eps)
+        for i, lw in enumerate(self.enc_layers):
+            qkv = F.linear(h, lw.w_qkv, lw.b_qkv).view(w, t, 3, a.num_attention_heads, a.head_dim)
+            q, k, v = qkv.unbind(2)
+            rope_(q, k, positions, self.enc_cos, self.enc_sin)
+            attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  scale=a.head_dim ** -0.5)
+            o = F.linear(attn.transpose(1, 2).reshape(w, t, hidden), lw.w_o, lw.b_o)
+            h, residual = layer_norm(o, *lw.ln2, eps, residual=residual)
+            m = F.linear(gelu_bias(F.linear(h, lw.w_fc1), lw.b_fc1), lw.w_fc2, lw.b_fc2)
+            nxt = self.enc_layers[i + 1].ln1 if i + 1 < len(self.enc_layers) else self.enc_norm
+            h, residual = layer_norm(m, *nxt, eps, residual=residual)
+        merged = h.reshape(w, t // self.cfg.merge_factor, hidden * self.cfg.merge_factor)
+        p = self.proj
+        return F.linear(gelu_bias(F.linear(merged, p.linear_1.weight), p.linear_1.bias),
+                        p.linear_2.weight, p.linear_2.bias)
+
+    # ---- text ----
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embedding)
+
+    def embed_prompt(self, input_ids: torch.Tensor, audio_rows: torch.Tensor) -> torch.Tensor:
+        return self.reference.embed_prompt(input_ids, audio_rows)
+
+    def decode(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int) -> torch.Tensor:
+        """Decoder over embeddings (B, T, hidden) at positions (B, T); returns final-normed hidden states."""
+        c = self.cfg.text
+        b, t, hidden = embeds.shape
+        nq, nk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        prefill = t > 1
+        if prefill and kv_len != t:
+            raise ValueError("the fast path prefills from slot 0 only (kv_len must equal the prompt length)")
+        eps = c.rms_norm_eps
+        residual = embeds
+        h = rms_norm(embeds, self.dec_layers[0].ln1, eps)
+        lengths = positions[:, 0] + 1 if not prefill else None
+        for i, lw in enumerate(self.dec_layers):
+            qkv = F.linear(h, lw.w_qkv)
+            q = qkv[..., : nq * d].view(b, t, nq, d)
+            k = qkv[..., nq * d:(nq + nk) * d].view(b, t, nk, d)
+            v = qkv[..., (nq + nk) * d:].view(b, t, nk, d)
+            rope_and_append(q, k, v, positions, self.dec_cos, self.dec_sin, cache.k[i], cache.v[i])
+            if prefill:
+                attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                      is_causal=True, scale=d ** -0.5, enable_gqa=nq != nk)
+                attn = attn.transpose(1, 2).reshape(b, t, nq * d)
+            else:
+                attn = decode_attention(q[:, 0], cache.k[i], cache.v[i], lengths, max_len=kv_len,
+                                        sm_scale=d ** -0.5).reshape(b, 1, nq * d)
+            h, residual = rms_norm(F.linear(attn, lw.w_o), lw.ln2, eps, residual=residual)
+            mlp = F.linear(swiglu(F.linear(h, lw.w_gate_up)), lw.w_down)
+            nxt = self.dec_layers[i + 1].ln1 if i + 1 < len(self.dec_layers) else self.final_norm
+            h, residual = rms_norm(mlp, nxt, eps, residual=residual)
+        return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
