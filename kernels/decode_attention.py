@@ -1,0 +1,230 @@
+"""Decode attention: one query token per sequence over its KV cache, GQA, fp32 max-stable softmax.
+
+    out[b, h] = softmax_j( q[b, h] . K[row_b, h // G, j] * scale ) @ V[row_b, h // G, j],   j in [0, lengths[b])
+
+with G = Hq // Hk query heads per kv head (16 / 4 = 4 for the decoder), scale = 1/sqrt(D) unless given,
+row_b = cache_rows[b] (default b). Scores, softmax and the accumulator are fp32; P is rounded to the KV dtype
+for the P@V product (as flash attention does); the output is in q's dtype. A sequence with length 0 gets 0.
+
+Shapes: q (B, Hq, D) any strides for B and H, unit stride in D; k_cache/v_cache (max_batch, Hk, max_len_buf, D)
+with unit stride in D (the layout of kv_append.py; any other strides accepted); lengths (B,) int32/int64;
+``max_len`` a python int (the cache capacity or a bucket >= every length; lengths are clamped to it): it and B
+fix the grid, so a call is CUDA-graph capturable (no host sync, no .item()).
+
+Two launch modes, chosen by ``choose_num_splits(B, Hk, max_len, n_sms)`` unless ``num_splits`` is given:
+* single pass (num_splits == 1): grid (B, Hk); each program loads q of its G heads once and streams its
+  [length, D] K and V slabs in BLOCK_N tiles (each K/V tile is shared by the G query heads: one tl.dot with
+  the G heads padded to 16 rows), online softmax, writes the normalised output.
+* split-KV (flash decoding): grid (B, Hk, S); program s covers positions [s*C, (s+1)*C) (C a multiple of
+  BLOCK_N, fixed by max_len), writes a partial normalised output and its log-sum-exp (fp32), then a reduction
+  kernel (grid (B, Hq)) combines the S partials. Programs past a sequence's length write an empty partial.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_utils import cdiv, check_device, interpreting, next_pow2, num_sms
+
+__all__ = ["decode_attention", "decode_attention_ref", "choose_num_splits"]
+
+_LOG2E = 1.4426950408889634
+
+
+def decode_attention_ref(q, k_cache, v_cache, lengths, max_len=None, cache_rows=None, sm_scale=None):
+    """Plain-PyTorch reference (fp32 math, masked softmax). Same interface as ``decode_attention``."""
+    B, HQ, D = q.shape
+    HK = k_cache.shape[1]
+    L = k_cache.shape[2] if max_len is None else max_len
+    rows = torch.arange(B, device=q.device) if cache_rows is None else cache_rows.long()
+    k = k_cache[rows, :, :L].float().repeat_interleave(HQ // HK, dim=1)  # (B, HQ, L, D)
+    v = v_cache[rows, :, :L].float().repeat_interleave(HQ // HK, dim=1)
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    s = torch.einsum("bhd,bhld->bhl", q.float(), k) * scale
+    valid = torch.arange(L, device=q.device)[None, :] < lengths.long().clamp(max=L)[:, None]  # (B, L)
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    p = torch.nan_to_num(p, nan=0.0)  # length 0 -> all-masked row -> 0 output
+    return torch.einsum("bhl,bhld->bhd", p, v).to(q.dtype)
+
+
+def choose_num_splits(batch: int, n_kv_heads: int, max_len: int, n_sms: int, block_n: int = 64,
+                      min_chunk: int = 256) -> int:
+    """Split count for the (batch, kv head) programs. Measured on the H200 (notes/triton_kernels.md):
+    one pass is best once batch*Hk >= #SMs (64x4096: 1 split 122.8 us vs 3 splits 130 us); below that, ~2
+    programs per SM (8x4096: 8 splits; 1x8192: 32-128 splits all ~8.7 us), each chunk >= min_chunk positions."""
+    ctas = batch * n_kv_heads
+    if ctas >= n_sms:
+        return 1
+    max_splits = max(1, cdiv(max_len, max(min_chunk, block_n)))
+    return max(1, min(max_splits, cdiv(2 * n_sms, ctas)))
+
+
+@triton.jit
+def _attn_tile(q, kbase, vbase, n, end, skn, svn, offs_d, dmask, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """One BLOCK_N tile of K/V: online-softmax update of (m_i, l_i, acc) for the BLOCK_H query rows."""
+    nmask = n < end
+    k = tl.load(kbase + n[:, None].to(tl.int64) * skn + offs_d[None, :], mask=nmask[:, None] & dmask[None, :],
+                other=0.0)
+    if UPCAST:  # CPU interpreter: its tl.dot mishandles bf16 operands, so feed it fp32 copies
+        k = k.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    qk = tl.where(nmask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked tile with nothing seen yet
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(vbase + n[:, None].to(tl.int64) * svn + offs_d[None, :], mask=nmask[:, None] & dmask[None, :],
+                other=0.0)
+    pv = p.to(v.dtype)
+    if UPCAST:
+        pv = pv.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_attn_kernel(Q, K, V, LENS, ROWS, O, OP, LSE, max_len, chunk, n_splits, qk_scale,
+                        sqb, sqh, skb, skh, skn, svb, svh, svn, sob, soh,
+                        GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_N: tl.constexpr,
+                        SPLIT: tl.constexpr, HAS_ROWS: tl.constexpr, NUM_STAGES: tl.constexpr,
+                        DOT_PREC: tl.constexpr, STATIC_ITERS: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s_id = tl.program_id(2)
+    length = tl.minimum(tl.load(LENS + b).to(tl.int32), max_len)
+    if HAS_ROWS:
+        row = tl.load(ROWS + b).to(tl.int64)
+    else:
+        row = b.to(tl.int64)
+    start = s_id * chunk
+    end = tl.minimum(start + chunk, length)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h < GROUP
+    # head_dim is padded to BLOCK_D >= 16 (tl.dot needs K >= 16); the padding lanes are masked to zero.
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    hdmask = hmask[:, None] & dmask[None, :]
+    heads = kvh * GROUP + offs_h
+    q = tl.load(Q + b.to(tl.int64) * sqb + heads[:, None] * sqh + offs_d[None, :], mask=hdmask, other=0.0)
+    if STATIC_ITERS > 0:
+        q = q.to(tl.float32)
+
+    kbase = K + row * skb + kvh.to(tl.int64) * skh
+    vbase = V + row * svb + kvh.to(tl.int64) * svh
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    if STATIC_ITERS > 0:
+        # Triton's CPU interpreter (with numpy >= 2.4) cannot run loops with run-time bounds: fixed trip count,
+        # masked tiles (fully-masked tiles are no-ops thanks to the guards in _attn_tile).
+        for it in range(STATIC_ITERS):
+            m_i, l_i, acc = _attn_tile(q, kbase, vbase, start + it * BLOCK_N + offs_n, end, skn, svn, offs_d, dmask,
+                                       m_i, l_i, acc, qk_scale, DOT_PREC, STATIC_ITERS > 0)
+    else:
+        for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+            m_i, l_i, acc = _attn_tile(q, kbase, vbase, n0 + offs_n, end, skn, svn, offs_d, dmask,
+                                       m_i, l_i, acc, qk_scale, DOT_PREC, STATIC_ITERS > 0)
+
+    nonempty = l_i > 0.0
+    inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
+    out = acc * inv_l[:, None]
+    if SPLIT:
+        # partials: OP (B, HQ, S, D) fp32, LSE (B, HQ, S) fp32 (log2 domain; -inf when empty)
+        lse = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        prow = (b.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * n_splits + s_id
+        tl.store(OP + prow[:, None] * D + offs_d[None, :], out, mask=hdmask)
+        tl.store(LSE + prow, lse, mask=hmask)
+    else:
+        tl.store(O + b.to(tl.int64) * sob + heads[:, None] * soh + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=hdmask)
+
+
+@triton.jit
+def _combine_kernel(OP, LSE, O, n_splits, sob, soh, HQ,
+                    D: tl.constexpr, S_P2: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, S_P2)
+    smask = offs_s < n_splits
+    prow = (b.to(tl.int64) * HQ + h) * n_splits
+    lse = tl.load(LSE + prow + offs_s, mask=smask, other=float("-inf"))
+    mx = tl.max(lse, axis=0)
+    w = tl.where(lse > float("-inf"), tl.math.exp2(lse - mx), 0.0)
+    den = tl.sum(w, axis=0)
+    offs_d = tl.arange(0, D)
+    o = tl.load(OP + (prow + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+    num = tl.sum(o * w[:, None], axis=0)
+    res = tl.where(den > 0.0, num / tl.where(den > 0.0, den, 1.0), 0.0)
+    tl.store(O + b.to(tl.int64) * sob + h * soh + offs_d, res.to(O.dtype.element_ty))
+
+
+def decode_attention(q, k_cache, v_cache, lengths, max_len: int | None = None, cache_rows=None,
+                     sm_scale: float | None = None, num_splits: int | None = None, block_n: int | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None, out=None):
+    """See the module docstring. Returns ``out`` (B, Hq, D) in q's dtype."""
+    check_device(q, k_cache, v_cache, lengths, cache_rows)
+    B, HQ, D = q.shape
+    _, HK, LBUF, DK = k_cache.shape
+    if DK != D or v_cache.shape[1:] != k_cache.shape[1:] or HQ % HK:
+        raise ValueError("k_cache/v_cache must be (max_batch, Hk, max_len, D) with Hq % Hk == 0")
+    if D != next_pow2(D):
+        raise ValueError("head_dim must be a power of two")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("unit stride in head_dim required")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache dtypes differ")
+    max_len = LBUF if max_len is None else int(max_len)
+    if max_len > LBUF:
+        raise ValueError(f"max_len {max_len} > cache capacity {LBUF}")
+    group = HQ // HK
+    if out is None:
+        out = torch.empty((B, HQ, D), device=q.device, dtype=q.dtype)
+    if B == 0:
+        return out
+    interp = interpreting()
+    if block_n is None:
+        block_n = 16 if interp else 64
+    if num_splits is None:
+        num_splits = choose_num_splits(B, HK, max_len, num_sms(q.device), block_n)
+    chunk = cdiv(cdiv(max(max_len, 1), num_splits), block_n) * block_n
+    n_splits = max(1, cdiv(max_len, chunk))
+    if num_warps is None:
+        num_warps = 4
+    if num_stages is None:
+        num_stages = 1 if interp else 3
+    if q.dtype != k_cache.dtype:
+        q = q.to(k_cache.dtype)
+    dot_prec = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    qk_scale = (1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)) * _LOG2E
+    block_h = max(16, next_pow2(group))
+    rows = cache_rows if cache_rows is not None else lengths
+    ks, vs = k_cache.stride(), v_cache.stride()
+    common = dict(GROUP=group, BLOCK_H=block_h, D=D, BLOCK_D=max(16, D), BLOCK_N=block_n, HAS_ROWS=cache_rows is not None,
+                  NUM_STAGES=num_stages, DOT_PREC=dot_prec, num_warps=num_warps,
+                  STATIC_ITERS=cdiv(chunk, block_n) if interp else 0)
+    if n_splits == 1:
+        _decode_attn_kernel[(B, HK, 1)](
+            q, k_cache, v_cache, lengths, rows, out, out, out, max_len, chunk, 1, qk_scale,
+            q.stride(0), q.stride(1), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], out.stride(0), out.stride(1),
+            SPLIT=False, **common)
+        return out
+    op = torch.empty((B, HQ, n_splits, D), device=q.device, dtype=torch.float32)
+    lse = torch.empty((B, HQ, n_splits), device=q.device, dtype=torch.float32)
+    _decode_attn_kernel[(B, HK, n_splits)](
+        q, k_cache, v_cache, lengths, rows, out, op, lse, max_len, chunk, n_splits, qk_scale,
+        q.stride(0), q.stride(1), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], out.stride(0), out.stride(1),
+        SPLIT=True, **common)
+    _combine_kernel[(B, HQ)](op, lse, out, n_splits, out.stride(0), out.stride(1), HQ,
+                             D=D, S_P2=next_pow2(n_splits), num_warps=4)
+    return out
