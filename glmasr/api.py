@@ -22,7 +22,8 @@ from .audio import Audio, AudioError, load_audio, split_windows
 from .config import GlmAsrConfig
 from .engine.generate import GenerationRequest, greedy_generate
 from .engine.kv_cache import KVCache
-from .features import frames_to_audio_tokens, min_samples_for_one_token, num_valid_frames, whisper_features
+from .features import (frames_to_audio_tokens, min_samples_for_one_token, num_valid_frames, pack_windows,
+                       whisper_features)
 from .models.glmasr import GlmAsrModel
 from .tokenizer import PromptBuilder
 from .weights import DEFAULT_MODEL_ID, load_state_dict, read_config, resolve_checkpoint
@@ -52,11 +53,12 @@ class Transcription:
 class GlmAsr:
     """A loaded checkpoint: config, model, prompt builder, device and dtype."""
 
-    def __init__(self, config: GlmAsrConfig, model: GlmAsrModel, prompts: PromptBuilder, folder: Path):
+    def __init__(self, config: GlmAsrConfig, model, prompts: PromptBuilder, folder: Path, frontend: str = "torch"):
         self.config = config
-        self.model = model
+        self.model = model  # GlmAsrModel (plain torch) or FastGlmAsrModel (Triton kernels)
         self.prompts = prompts
         self.folder = folder
+        self.frontend = frontend  # "torch" (features.py) or "cuda" (fused cuFFTDx kernel, kernels/logmel)
 
     @property
     def device(self) -> torch.device:
@@ -67,7 +69,8 @@ class GlmAsr:
         return self.model.dtype
 
     def __repr__(self) -> str:
-        return f"GlmAsr(folder={str(self.folder)!r}, device={self.device}, dtype={self.dtype})"
+        return (f"GlmAsr(folder={str(self.folder)!r}, device={self.device}, dtype={self.dtype}, "
+                f"model={type(self.model).__name__}, frontend={self.frontend!r})")
 
 
 def resolve_device(device) -> torch.device:
@@ -124,11 +127,16 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
     net.load_state_dict(state, strict=True, assign=True)
     net.eval().requires_grad_(False)
     prompts = PromptBuilder.from_folder(folder, cfg.audio_token_id)
+    frontend = "torch"
     if backend == "triton" or (backend == "auto" and dev.type == "cuda"):
         from .models.fast import FastGlmAsrModel
 
         net = FastGlmAsrModel(net)
-    return GlmAsr(cfg, net, prompts, folder)
+        if dev.type == "cuda":
+            from kernels.logmel import is_available
+
+            frontend = "cuda" if is_available() else "torch"
+    return GlmAsr(cfg, net, prompts, folder, frontend)
 
 
 @dataclass
@@ -218,8 +226,7 @@ def _prepare(asr: GlmAsr, items: list, prompt: str | None, max_new_tokens: int |
     dev = asr.device
     # Windows that carry no audio token (a tail shorter than 60 ms) need no encoding.
     needed = sorted({w for g in groups for w in g.windows})
-    feats, _ = whisper_features([torch.from_numpy(pieces[w]) for w in needed], asr.config.audio.num_mel_bins,
-                                device=dev)
+    feats = _features([pieces[w] for w in needed], asr)
     t_feat = time.perf_counter()
     with torch.inference_mode():
         embeds = torch.cat([asr.model.encode_audio(feats[i: i + ENCODER_BATCH])
@@ -240,6 +247,19 @@ def _prepare(asr: GlmAsr, items: list, prompt: str | None, max_new_tokens: int |
     timings = {"audio_ms": 1e3 * (t_audio - t0), "features_ms": 1e3 * (t_feat - t_audio),
                "encoder_ms": 1e3 * (t_enc - t_feat)}
     return _Prepared(audios, groups, requests, windows_per_item, timings)
+
+
+def _features(pieces: list[np.ndarray], asr: GlmAsr) -> torch.Tensor:
+    """Log-mel features of window pieces on the model's device: the fused CUDA frontend on the Triton path
+    when its toolchain is installed, else the plain-torch recipe."""
+    n_mels = asr.config.audio.num_mel_bins
+    if asr.frontend == "cuda":
+        from kernels.logmel import whisper_features as fused_whisper_features
+
+        packed, lengths = pack_windows(pieces)
+        pcm = packed.pin_memory().to(asr.device, non_blocking=True)
+        return fused_whisper_features(pcm, lengths, n_mels)[0]
+    return whisper_features(pieces, n_mels, device=asr.device)[0]
 
 
 def _check_options(max_new_tokens, prompt) -> None:

@@ -113,28 +113,31 @@ def log_mel_windows(windows: torch.Tensor, n_mels: int = 128) -> torch.Tensor:
     return (log_spec + 4.0) / 4.0
 
 
-def pad_windows(pieces: list[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
-    """Stack 1-D pieces of at most 480000 samples into zero-padded (B, 480000) windows."""
-    out = torch.zeros(len(pieces), WINDOW_SAMPLES, dtype=torch.float32, device=device)
-    for i, piece in enumerate(pieces):
-        if piece.ndim != 1 or piece.numel() > WINDOW_SAMPLES:
-            raise ValueError(f"window piece {i} must be 1-D with at most {WINDOW_SAMPLES} samples")
-        out[i, : piece.numel()] = piece.to(device=out.device, dtype=torch.float32)
-    return out
+def pack_windows(pieces: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack 1-D pieces of at most 480000 samples into one zero-padded float32 CPU tensor (B, longest piece)
+    and their lengths (B,) int64 -- one host buffer, so a single copy moves a whole batch to the GPU."""
+    lengths = [int(p.shape[0]) for p in pieces]
+    for i, (p, n) in enumerate(zip(pieces, lengths)):
+        if p.ndim != 1 or n > WINDOW_SAMPLES:
+            raise ValueError(f"window piece {i} must be 1-D with at most {WINDOW_SAMPLES} samples, got {tuple(p.shape)}")
+    out = torch.zeros(len(pieces), max(lengths), dtype=torch.float32)
+    for i, p in enumerate(pieces):
+        out[i, : lengths[i]] = torch.as_tensor(p, dtype=torch.float32)
+    return out, torch.tensor(lengths, dtype=torch.int64)
 
 
 def whisper_features(
-    pieces: list[torch.Tensor], n_mels: int = 128, device: torch.device | str | None = None
+    pieces: list, n_mels: int = 128, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Features and frame mask for a list of window pieces (each <= 30 s of 16 kHz mono audio).
 
     returns (features (B, n_mels, 3000) float32, mask (B, 3000) int32 with the first
     ceil(len/160) frames set).
     """
-    windows = pad_windows(pieces, device=device)
+    packed, lengths = pack_windows(pieces)
+    windows = torch.nn.functional.pad(packed, (0, WINDOW_SAMPLES - packed.shape[1])).to(device)
     feats = log_mel_windows(windows, n_mels)
-    lengths = torch.tensor([p.numel() for p in pieces], device=feats.device)
-    frames = num_valid_frames(lengths)
+    frames = num_valid_frames(lengths.to(feats.device))
     mask = (torch.arange(FRAMES_PER_WINDOW, device=feats.device)[None, :] < frames[:, None]).to(torch.int32)
     return feats, mask
 
@@ -163,7 +166,7 @@ __all__ = [
     "mel_filter_bank",
     "mel_filter_bank_np",
     "log_mel_windows",
-    "pad_windows",
+    "pack_windows",
     "whisper_features",
     "num_valid_frames",
     "frames_to_audio_tokens",

@@ -153,11 +153,11 @@ def test_demo_without_weights_or_network_exits_nonzero(monkeypatch, tmp_path, ca
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device)")
-def test_cuda_fp32_tokens_equal_cpu(tiny_shipped):
+def test_cuda_fp32_reference_path_tokens_equal_cpu(tiny_shipped):
     audios = [noise(3.5, 1), noise(45.0, 2)]
     cpu = glmasr.transcribe(audios, model=glmasr.load(tiny_shipped, device="cpu"), sampling_rate=16000,
                             max_new_tokens=MAX_NEW)
-    gpu = glmasr.transcribe(audios, model=glmasr.load(tiny_shipped, device="cuda", dtype="float32"),
+    gpu = glmasr.transcribe(audios, model=glmasr.load(tiny_shipped, device="cuda", dtype="float32", backend="torch"),
                             sampling_rate=16000, max_new_tokens=MAX_NEW)
     assert [r.token_ids for r in gpu] == [r.token_ids for r in cpu]
 
@@ -180,3 +180,22 @@ def test_teacher_forced_logits_match_transformers(tiny_asr, hf_oracle):
                     input_features_mask=inputs["input_features_mask"]).logits[0, len(prompt_ids) - 1:]
     assert ours.shape == ref.shape
     assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+def test_unwritten_kv_slots_never_reach_results(tiny_asr, monkeypatch):
+    """Regression (seen on the H200: uninitialised cache memory turned a batch's short sequence into NaN):
+    poison the whole KV buffer with NaN before use; every result must be unchanged."""
+    from glmasr.engine import kv_cache
+
+    audios = [noise(1.0, 12), noise(12.0, 13), noise(45.0, 14)]
+    clean = glmasr.transcribe(audios, model=tiny_asr, sampling_rate=16000, max_new_tokens=MAX_NEW)
+    original_init = kv_cache.KVCache.__init__
+
+    def poisoned_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.k.fill_(float("nan"))
+        self.v.fill_(float("nan"))
+
+    monkeypatch.setattr(kv_cache.KVCache, "__init__", poisoned_init)
+    poisoned = glmasr.transcribe(audios, model=tiny_asr, sampling_rate=16000, max_new_tokens=MAX_NEW)
+    assert [r.token_ids for r in poisoned] == [r.token_ids for r in clean]

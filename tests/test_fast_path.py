@@ -65,3 +65,43 @@ def test_backend_validation(tiny_shipped):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs a CUDA device"):
             glmasr.load(tiny_shipped, device="cpu", backend="triton")
+
+
+def test_fast_path_ignores_unwritten_kv_slots(both_paths, monkeypatch):
+    """Decode attention must read only slots [0, length): a NaN-poisoned KV buffer changes nothing."""
+    from glmasr.engine import kv_cache
+
+    _, fast = both_paths
+    audios = [noise(1.0, 16), noise(12.0, 17)]
+    clean = glmasr.transcribe(audios, model=fast, sampling_rate=16000, max_new_tokens=6)
+    original_init = kv_cache.KVCache.__init__
+
+    def poisoned_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.k.fill_(float("nan"))
+        self.v.fill_(float("nan"))
+
+    monkeypatch.setattr(kv_cache.KVCache, "__init__", poisoned_init)
+    poisoned = glmasr.transcribe(audios, model=fast, sampling_rate=16000, max_new_tokens=6)
+    assert [r.token_ids for r in poisoned] == [r.token_ids for r in clean]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device)")
+def test_cuda_engine_uses_fused_frontend_and_agrees(tiny_shipped):
+    """On CUDA the default load runs the Triton model on features from the fused cuFFTDx frontend. Against the
+    plain-torch path (torch features, torch model) in fp32: features differ by <= 2e-4 (frontend tolerance),
+    so logits agree to 1e-3 relative and greedy tokens are identical on this clip."""
+    from kernels.logmel import is_available
+
+    assert is_available(), "the device run installs nvidia-mathdx / nvidia-cuda-cccl (scripts/device_*.sh)"
+    fast = glmasr.load(tiny_shipped, device="cuda", dtype="float32")
+    ref = glmasr.load(tiny_shipped, device="cuda", dtype="float32", backend="torch")
+    assert fast.frontend == "cuda" and ref.frontend == "torch"
+    audio = noise(7.0, 23)
+    forced = [5, 17, 99, 200]
+    a, _ = teacher_forced_logits(fast, audio, forced, sampling_rate=16000)
+    b, _ = teacher_forced_logits(ref, audio, forced, sampling_rate=16000)
+    assert ((a - b).abs().max() / b.abs().max()).item() < 1e-3
+    ta = glmasr.transcribe(audio, model=fast, sampling_rate=16000, max_new_tokens=8).token_ids
+    tb = glmasr.transcribe(audio, model=ref, sampling_rate=16000, max_new_tokens=8).token_ids
+    assert ta == tb

@@ -4,6 +4,10 @@ Layout: ``k[layer]`` and ``v[layer]`` are (batch, kv_heads, capacity, head_dim).
 position p lives in slot p of row b: every sequence starts at slot 0 and positions double as slot indices,
 so a batch of prompts of different lengths needs no left padding and each sequence's RoPE positions are
 simply 0, 1, 2, ... The whole buffer is allocated once; nothing grows per token.
+
+Slots a sequence has not written yet are never read by the attention of that sequence (the kernels bound the
+reads by its length; the reference path zeroes unwritten slots before its masked matmul, since 0 * NaN is
+NaN). The buffer is still zero-filled at allocation so that no stale memory can ever reach a result.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ class KVCache:
         if capacity > cfg.max_position_embeddings:
             raise ValueError(f"KV cache capacity {capacity} exceeds the model's {cfg.max_position_embeddings} positions")
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
-        self.k = torch.empty(shape, device=device, dtype=dtype)
-        self.v = torch.empty(shape, device=device, dtype=dtype)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.batch = batch
         self.capacity = capacity
 

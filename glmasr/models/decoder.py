@@ -46,11 +46,14 @@ class DecoderAttention(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         cache.write(layer, k, v, positions)
-        keys = cache.k[layer, :b, :, :kv_len]
-        values = cache.v[layer, :b, :, :kv_len]
-        # Causal by position: a query at position p sees slots 0..p of its own row. Slots beyond a
-        # sequence's written length are never visible to it.
-        visible = torch.arange(kv_len, device=x.device)[None, None, :] <= positions[:, :, None]  # (B, T, S)
+        slots = torch.arange(kv_len, device=x.device)
+        # Causal by position: a query at position p sees slots 0..p of its own row.
+        visible = slots[None, None, :] <= positions[:, :, None]  # (B, T, S)
+        # Slots past a row's last position in this call may hold anything (another sequence's old entries,
+        # unwritten memory): zero them so that masked scores and 0-weighted values stay finite.
+        written = (slots[None, :] <= positions.amax(dim=1)[:, None])[:, None, :, None]  # (B, 1, S, 1)
+        keys = torch.where(written, cache.k[layer, :b, :, :kv_len], 0)
+        values = torch.where(written, cache.v[layer, :b, :, :kv_len], 0)
         a = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=visible[:, None], scale=self.head_dim ** -0.5,
             enable_gqa=self.num_heads != self.num_kv_heads,
