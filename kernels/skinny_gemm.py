@@ -1,0 +1,424 @@
+"""Skinny (decode) GEMMs: ``y = x @ W^T`` for a handful of rows, memory-bound on the weight.
+
+Computes, with fp32 accumulation and one rounding to the I/O dtype:
+
+    skinny_gemm(x, W)          y = x @ W^T                            x (..., K), W (N, K)   -> (..., N)
+    skinny_gemm_swiglu(x, W)   y = silu(x @ Wg^T) * (x @ Wu^T)        W = [Wg; Wu] (2I, K)   -> (..., I)
+
+``skinny_gemm_swiglu`` rounds like the unfused ``swiglu(F.linear(x, W))`` path (kernels/activations.py, HF's
+``act_fn(gate_proj(x)) * up_proj(x)``): gate and up rounded to the I/O dtype, silu in fp32 rounded, product in
+fp32 rounded; it saves the (M, 2I) round trip through memory and one launch.
+
+Shape contract: ``x`` (..., K) with M = prod(leading dims) <= 16 (``select`` says "cuBLAS" above; ``linear`` /
+``linear_swiglu`` dispatch), last dim contiguous (copied otherwise; x is tiny); ``W`` (N, K) with unit stride
+in K (nn.Linear layout; any row stride; never copied: a non-unit K stride raises). bf16 (the target), fp16 or
+fp32, x and W of one dtype; output in that dtype. Any N, K (odd sizes masked). ``out=`` (..., N) is written in
+place (last dim contiguous, viewable as (M, N)); with ``out`` given and split-K == 1 nothing is allocated; with
+split-K > 1 an fp32 workspace (split, M, N) is needed: pass ``workspace=`` or a per-device cached one is used
+(grown on demand, never freed, so warm up once outside graph capture and do not share it between streams that
+run concurrently). No host synchronisation: CUDA-graph capturable, grid fixed per (shape, config).
+
+Design (H200: 132 SMs, ~4.3 TB/s): the weight is streamed exactly once, as (BLOCK_N, BLOCK_K) tiles of
+contiguous K runs (16-byte vector loads, ``evict_first``), by a grid of (cdiv(N, BLOCK_N), SPLIT_K) programs;
+program (n, s) owns rows [n*BLOCK_N, +BLOCK_N) of W (for SwiGLU also the matching up rows, +I) and the K slice
+[s*ITERS*BLOCK_K, +ITERS*BLOCK_K) with a compile-time trip count ITERS. Two inner products:
+
+* FMA (``use_dot=False``, for M <= ~4-8): per K tile, the tile is upcast to fp32 once and each of the BLOCK_M
+  rows of x (read from L1/L2; x is a few KB) is multiplied and reduced over K (a broadcast-multiply-reduce,
+  CUDA cores). Latency is hidden by many small programs resident per SM (small BLOCK_N).
+* Tensor cores (``use_dot=True``, for M ~8-16): "swap AB", ``acc(BLOCK_N, 16) += W_tile @ x_tile^T`` with x
+  padded to 16 rows; ``num_stages`` pipelines the W tiles through shared memory.
+
+Split-K (SPLIT_K > 1, for shapes whose N / BLOCK_N leaves SMs idle) writes fp32 partials to the workspace and a
+second small kernel sums the splits in a fixed order (deterministic) and applies the epilogue (cast or SwiGLU).
+
+``select(M, N, K, swiglu=False)`` returns the ``SkinnyConfig`` for a shape (the tuned table ``CONFIGS`` for
+the decoder's shapes, else a heuristic) or ``None`` = use cuBLAS (M > 16). ``*_ref`` are the plain-torch
+references (fp32 math on the given, already rounded, inputs).
+
+Interpreter (TRITON_INTERPRET=1): CPU tensors accepted; tl.dot is fed fp32 copies (its bf16 dot is wrong); the
+K loop has a constexpr trip count everywhere, which numpy >= 2.4 needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._triton_utils import as_rows, cdiv, check_device, interpreting, next_pow2
+
+__all__ = [
+    "SkinnyConfig", "CONFIGS", "MAX_M", "select", "skinny_gemm", "skinny_gemm_swiglu", "skinny_gemm_ref",
+    "skinny_gemm_swiglu_ref", "linear", "linear_swiglu", "m_bucket",
+]
+
+MAX_M = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 1
+    use_dot: bool = False
+
+    def short(self) -> str:
+        return (f"{'dot' if self.use_dot else 'fma'} BN{self.block_n} BK{self.block_k} S{self.split_k} "
+                f"w{self.num_warps} st{self.num_stages}")
+
+
+# ------------------------------------------------------------------------------------------------ references
+
+def skinny_gemm_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T in fp32 on the given inputs, rounded once to x's dtype."""
+    y = (x.float() @ w.float().t()).to(x.dtype)
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y
+
+
+def skinny_gemm_swiglu_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x @ Wg^T) * (x @ Wu^T), W = [Wg; Wu]; gate/up rounded to x's dtype first (the unfused path)."""
+    h = skinny_gemm_ref(x, w)
+    gate, up = h.chunk(2, dim=-1)
+    y = (F.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+
+@triton.jit
+def _load_w(ptrs, nmask, kmask, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    if EVEN_N:
+        if EVEN_K:
+            w = tl.load(ptrs, eviction_policy="evict_first")
+        else:
+            w = tl.load(ptrs, mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
+    else:
+        if EVEN_K:
+            w = tl.load(ptrs, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
+        else:
+            w = tl.load(ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0, eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def _k_step(X, w_ptrs, w2_ptrs, k0, M, K, sx, offs_m, offs_k, nmask, acc, acc2,
+            BLOCK_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
+            SWIGLU: tl.constexpr, UPCAST: tl.constexpr):
+    """One K tile: acc (+ acc2 for the SwiGLU up rows) += x[:, k0:k0+BK] . W_tile."""
+    k = k0 + offs_k
+    kmask = k < K
+    w = _load_w(w_ptrs + k0, nmask, kmask, EVEN_N, EVEN_K)
+    if SWIGLU:
+        w2 = _load_w(w2_ptrs + k0, nmask, kmask, EVEN_N, EVEN_K)
+    if USE_DOT:
+        # acc (BLOCK_N, BLOCK_M) += W (BN, BK) @ x^T (BK, BM); x rows >= M are zero.
+        xt = tl.load(X + offs_m[None, :] * sx + k[:, None], mask=(offs_m < M)[None, :] & kmask[:, None],
+                     other=0.0, eviction_policy="evict_last")
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            acc = tl.dot(w.to(tl.float32), xt, acc)
+            if SWIGLU:
+                acc2 = tl.dot(w2.to(tl.float32), xt, acc2)
+        else:
+            acc = tl.dot(w, xt, acc)
+            if SWIGLU:
+                acc2 = tl.dot(w2, xt, acc2)
+    else:
+        # acc (BLOCK_M, BLOCK_N): per row of x, broadcast-multiply the fp32 tile and reduce over K.
+        wf = w.to(tl.float32)
+        if SWIGLU:
+            w2f = w2.to(tl.float32)
+        for mi in tl.static_range(BLOCK_M):
+            if mi == 0:  # row 0 always exists (M >= 1)
+                xm = tl.load(X + k, mask=kmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            else:
+                xm = tl.load(X + mi * sx + k, mask=kmask & (M > mi), other=0.0,
+                             eviction_policy="evict_last").to(tl.float32)
+            p = tl.sum(wf * xm[None, :], axis=1)
+            if SWIGLU:
+                p2 = tl.sum(w2f * xm[None, :], axis=1)
+            if BLOCK_M == 1:
+                acc += p[None, :]
+                if SWIGLU:
+                    acc2 += p2[None, :]
+            else:
+                sel = offs_m[:, None] == mi
+                acc = tl.where(sel, acc + p[None, :], acc)
+                if SWIGLU:
+                    acc2 = tl.where(sel, acc2 + p2[None, :], acc2)
+    return acc, acc2
+
+
+@triton.jit
+def _swiglu_epilogue(g, u, Y):
+    """Rounding of the unfused path: gate/up rounded, silu rounded, product rounded to Y's dtype (returns fp32)."""
+    dtype = Y.dtype.element_ty
+    g = g.to(dtype).to(tl.float32)
+    u = u.to(dtype).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return s * u
+
+
+@triton.jit
+def _skinny_kernel(X, W, Y, WS, M, N, K, sx, sw, sy, HALF,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT_K: tl.constexpr, ITERS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                   USE_DOT: tl.constexpr, SWIGLU: tl.constexpr, UPCAST: tl.constexpr,
+                   NUM_STAGES: tl.constexpr, STATIC: tl.constexpr):
+    # N = output columns (I for SwiGLU); HALF = row offset of the up half in W (I), unused otherwise.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    nmask = offs_n < N
+    k_base = pid_k * (ITERS * BLOCK_K)
+    rows64 = offs_n.to(tl.int64)
+    w_ptrs = W + rows64[:, None] * sw + offs_k[None, :]
+    w2_ptrs = W + (rows64 + HALF)[:, None] * sw + offs_k[None, :]
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros_like(acc)
+    if STATIC:
+        for it in range(ITERS):
+            acc, acc2 = _k_step(X, w_ptrs, w2_ptrs, k_base + it * BLOCK_K, M, K, sx, offs_m, offs_k, nmask,
+                                acc, acc2, BLOCK_M, EVEN_N, EVEN_K, USE_DOT, SWIGLU, UPCAST)
+    else:
+        for it in tl.range(0, ITERS, num_stages=NUM_STAGES):
+            acc, acc2 = _k_step(X, w_ptrs, w2_ptrs, k_base + it * BLOCK_K, M, K, sx, offs_m, offs_k, nmask,
+                                acc, acc2, BLOCK_M, EVEN_N, EVEN_K, USE_DOT, SWIGLU, UPCAST)
+
+    offs_m64 = offs_m.to(tl.int64)
+    if USE_DOT:
+        row_off = offs_m64[None, :]
+        col_off = offs_n[:, None]
+        mask = (offs_m < M)[None, :] & nmask[:, None]
+    else:
+        row_off = offs_m64[:, None]
+        col_off = offs_n[None, :]
+        mask = (offs_m < M)[:, None] & nmask[None, :]
+    if SPLIT_K == 1:
+        if SWIGLU:
+            res = _swiglu_epilogue(acc, acc2, Y)
+        else:
+            res = acc
+        tl.store(Y + row_off * sy + col_off, res.to(Y.dtype.element_ty), mask=mask)
+    else:
+        # fp32 partials: WS (SPLIT_K, M, NT), NT = 2*HALF for SwiGLU (gate | up), else N.
+        if SWIGLU:
+            nt = 2 * HALF
+        else:
+            nt = N
+        base = WS + (pid_k * M + row_off) * nt + col_off
+        tl.store(base, acc, mask=mask)
+        if SWIGLU:
+            tl.store(base + HALF, acc2, mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(WS, Y, M, N, sy, HALF, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    m = offs // N
+    n = offs - m * N
+    if SWIGLU:
+        nt = 2 * HALF
+    else:
+        nt = N
+    src = WS + m.to(tl.int64) * nt + n
+    stride = M * nt
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(src + s * stride, mask=mask, other=0.0)
+        if SWIGLU:
+            acc2 += tl.load(src + s * stride + HALF, mask=mask, other=0.0)
+    if SWIGLU:
+        res = _swiglu_epilogue(acc, acc2, Y)
+    else:
+        res = acc
+    tl.store(Y + m.to(tl.int64) * sy + n, res.to(Y.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------ configs
+
+def m_bucket(m: int) -> int:
+    """Row-count bucket used for configs and BLOCK_M: 1, 2, 4, 8, 16."""
+    return next_pow2(max(1, m))
+
+
+# Tuned per (N, K, M bucket, swiglu) for the GLM-ASR-Nano decoder (hidden 2048, 16+4x128 heads, I = 6144,
+# vocab 59264) on an H200. Entries: first guesses from the design (see notes/skinny_gemm.md); replace them with
+# the lines printed by ``scripts/bench_skinny_gemm.py --sweep`` (it prints this dict ready to paste).
+CONFIGS: dict[tuple[int, int, int, bool], SkinnyConfig] = {}
+
+
+def _heuristic(m: int, n: int, k: int, swiglu: bool, sms: int = 132) -> SkinnyConfig:
+    mb = m_bucket(m)
+    use_dot = mb >= 8
+    if use_dot:
+        bk = 256 if k >= 256 else max(16, next_pow2(k))
+        bn = 32 if n >= 32 * 2 * sms else 16
+        stages = 4
+        warps = 4
+    else:
+        # K tile: 8-16 KB of W per program per step in flight (1024 wide at M = 1: 64 registers, no spills)
+        bk = (1024 if mb == 1 else 512) if k >= 1024 else max(16, min(512, next_pow2(k)))
+        # small row blocks: many programs per SM hide the DRAM latency without pipelining; the tile stays at
+        # <= 64 elements per thread (BLOCK_N * BLOCK_K <= 8192 over 4 warps; SwiGLU reads two tiles)
+        bn = max(1, min(8, 8192 // bk) // (2 if swiglu else 1))
+        stages = 1
+        warps = 4
+    n_prog = cdiv(n, bn)
+    split = 1
+    # split K only when the row blocks leave most SMs without work and K is long
+    while n_prog * split < sms and cdiv(k, bk) >= 4 * split:
+        split *= 2
+    return SkinnyConfig(bn, bk, split, warps, stages, use_dot)
+
+
+def select(m: int, n: int, k: int, swiglu: bool = False) -> SkinnyConfig | None:
+    """Config for an (m, n, k) problem (n = rows of W, 2I for SwiGLU); None means "use cuBLAS" (m > MAX_M)."""
+    if m > MAX_M or m < 1:
+        return None
+    cfg = CONFIGS.get((n, k, m_bucket(m), swiglu))
+    if cfg is None:
+        cfg = _heuristic(m, n // 2 if swiglu else n, k, swiglu)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------ launchers
+
+_WS: dict[tuple[str, int | None], list[torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, numel: int) -> torch.Tensor:
+    key = (device.type, device.index)
+    bufs = _WS.setdefault(key, [])
+    if not bufs or bufs[-1].numel() < numel:
+        # grow-only; older buffers stay alive so graphs that captured them remain valid
+        bufs.append(torch.empty(max(numel, 1 << 16), device=device, dtype=torch.float32))
+    return bufs[-1]
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: SkinnyConfig | None,
+            workspace: torch.Tensor | None, swiglu: bool) -> torch.Tensor:
+    check_device(x, w, out, workspace)
+    if w.dim() != 2:
+        raise ValueError("W must be 2-D (N, K)")
+    nw, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x last dim {x.shape[-1]} != W.shape[1] {k}")
+    if x.dtype != w.dtype:
+        raise ValueError(f"x dtype {x.dtype} != W dtype {w.dtype}")
+    if w.stride(1) != 1 and k > 1:
+        raise ValueError("W must have unit stride along K (nn.Linear layout); refusing to copy the weight")
+    if swiglu and nw % 2:
+        raise ValueError("skinny_gemm_swiglu: W must have an even number of rows ([Wg; Wu])")
+    n = nw // 2 if swiglu else nw
+    x2 = as_rows(x)
+    m = x2.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"skinny_gemm supports M <= {MAX_M} rows (got {m}); use linear() to dispatch to cuBLAS")
+    oshape = (*x.shape[:-1], n)
+    if out is None:
+        out = torch.empty(oshape, device=x.device, dtype=x.dtype)
+    else:
+        if tuple(out.shape) != oshape or out.dtype != x.dtype or out.device != x.device:
+            raise ValueError(f"out must be {oshape} {x.dtype} on {x.device}")
+        if out.stride(-1) != 1 and n > 1:
+            raise ValueError("out must have a contiguous last dim")
+    if m == 0 or n == 0:
+        return out
+    try:
+        out2 = out.view(m, n)
+    except RuntimeError as e:
+        raise ValueError("out must be viewable as (M, N)") from e
+    if k == 0:
+        out2.zero_()  # empty sum (silu(0) * 0 = 0 for SwiGLU too)
+        return out
+    cfg = config if config is not None else select(m, nw, k, swiglu)
+    interp = interpreting()
+    bm = m_bucket(m)
+    bk = max(16, min(cfg.block_k, next_pow2(k)))
+    bn = max(16 if cfg.use_dot else 1, min(cfg.block_n, next_pow2(n)))
+    if cfg.use_dot:
+        bm = max(16, bm)
+    k_tiles = cdiv(k, bk)
+    iters = cdiv(k_tiles, max(1, cfg.split_k))
+    split = cdiv(k_tiles, iters)  # no empty K slices
+    even_n = n % bn == 0
+    even_k = k % bk == 0 and k_tiles % iters == 0
+    ws = x2  # placeholder pointer when split == 1
+    if split > 1:
+        need = split * m * nw
+        if workspace is not None:
+            if workspace.dtype != torch.float32 or workspace.numel() < need or not workspace.is_contiguous():
+                raise ValueError(f"workspace must be a contiguous fp32 tensor with >= {need} elements")
+            ws = workspace
+        else:
+            ws = _workspace(x.device, need)
+    grid = (cdiv(n, bn), split)
+    _skinny_kernel[grid](
+        x2, w, out2, ws, m, n, k, x2.stride(0), w.stride(0), out2.stride(0), n if swiglu else 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, ITERS=iters, EVEN_N=even_n, EVEN_K=even_k,
+        USE_DOT=cfg.use_dot, SWIGLU=swiglu, UPCAST=interp, NUM_STAGES=cfg.num_stages, STATIC=interp,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        block = 1024 if m * n >= 1024 else max(16, next_pow2(m * n))
+        _splitk_reduce_kernel[(cdiv(m * n, block),)](
+            ws, out2, m, n, out2.stride(0), n if swiglu else 0, SPLIT_K=split, SWIGLU=swiglu, BLOCK=block,
+            num_warps=4)
+    return out
+
+
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                config: SkinnyConfig | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) @ W(N, K)^T -> (..., N) for M <= 16 rows; see the module docstring."""
+    return _launch(x, w, out, config, workspace, swiglu=False)
+
+
+def skinny_gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                       config: SkinnyConfig | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x @ Wg^T) * (x @ Wu^T) with W = [Wg; Wu] (2I, K) -> (..., I) for M <= 16 rows."""
+    return _launch(x, w, out, config, workspace, swiglu=True)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dispatcher: the skinny kernel when ``select`` picks it, else cuBLAS (torch.matmul)."""
+    m = x.numel() // max(1, x.shape[-1])
+    if select(m, w.shape[0], w.shape[1]) is not None:
+        return skinny_gemm(x, w, out=out)
+    if out is None:
+        return F.linear(x, w)
+    torch.matmul(x, w.t(), out=out)
+    return out
+
+
+def linear_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dispatcher for the fused gate|up + SwiGLU: skinny kernel for M <= 16, else cuBLAS + kernels.activations."""
+    m = x.numel() // max(1, x.shape[-1])
+    if select(m, w.shape[0], w.shape[1], swiglu=True) is not None:
+        return skinny_gemm_swiglu(x, w, out=out)
+    from .activations import swiglu
+
+    y = swiglu(F.linear(x, w))
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
