@@ -6,12 +6,12 @@
     results = glmasr.transcribe(["a.wav", "b.flac"], model=asr)
 """
 
-from .api import GlmAsr, Transcription, load, transcribe
+from .api import GlmAsr, Transcription, TranscriptDelta, load, transcribe, transcribe_stream
 from .audio import AudioError
 from .config import ConfigError, GlmAsrConfig
 from .tokenizer import TokenizerError
 from .weights import CheckpointError
 
-__all__ = ["load", "transcribe", "GlmAsr", "Transcription", "GlmAsrConfig", "AudioError", "CheckpointError",
+__all__ = ["load", "transcribe", "transcribe_stream", "GlmAsr", "Transcription", "TranscriptDelta", "GlmAsrConfig", "AudioError", "CheckpointError",
            "ConfigError", "TokenizerError"]
 __version__ = "0.1.0"

@@ -14,13 +14,15 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
 
 from .audio import Audio, AudioError, load_audio, split_windows
 from .config import GlmAsrConfig
-from .engine.generate import GenerationRequest, greedy_generate
+from .engine.engine import Engine
+from .engine.generate import GenerationRequest
 from .engine.kv_cache import KVCache
 from .features import (frames_to_audio_tokens, min_samples_for_one_token, num_valid_frames, pack_windows,
                        whisper_features)
@@ -36,6 +38,8 @@ DEFAULT_TOKENS_PER_SECOND = 6.0
 DEFAULT_MIN_NEW_TOKENS = 32
 # Windows encoded per encoder call (bounds activation memory; attention is 1500 x 1500 per head).
 ENCODER_BATCH = 32
+# Sequence slots of the engine on CUDA (its KV cache is slots x capacity).
+DEFAULT_MAX_BATCH = 64
 
 
 @dataclass
@@ -270,36 +274,125 @@ def _check_options(max_new_tokens, prompt) -> None:
         raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
 
 
+@dataclass
+class TranscriptDelta:
+    """A piece of streamed text: ``text`` extends the transcript of input ``index``; ``finished`` with the
+    last piece, which also carries the complete ``Transcription``."""
+
+    index: int
+    text: str
+    finished: bool = False
+    result: Transcription | None = None
+
+
+def _engine_for(asr: GlmAsr, requests: list[GenerationRequest], max_batch: int | None) -> Engine:
+    """The model's engine, (re)built when the slot count or the KV capacity it needs grows.
+    On CUDA: 64 slots by default and a power-of-two capacity (graphs are kept per engine); on CPU: exact sizes."""
+    need = max(r.prompt_embeds.shape[0] + r.max_new_tokens for r in requests)
+    cuda = asr.device.type == "cuda"
+    slots = max_batch or (DEFAULT_MAX_BATCH if cuda else len(requests))
+    if slots < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    capacity = need
+    if cuda:
+        capacity = 1024
+        while capacity < need:
+            capacity *= 2
+    capacity = min(capacity, asr.config.text.max_position_embeddings)
+    engine = getattr(asr, "_engine", None)
+    if engine is None or engine.max_batch != slots or engine.capacity < need or (not cuda and engine.capacity != capacity):
+        asr._engine = None  # free the old cache before allocating the new one
+        engine = Engine(asr.model, max_batch=slots, capacity=capacity)
+        asr._engine = engine
+    return engine
+
+
+def _stream(asr: GlmAsr, items: list, prompt, max_new_tokens, sampling_rate, ignore_eos, max_batch, t0
+            ) -> Iterator[TranscriptDelta]:
+    prep = _prepare(asr, items, prompt, max_new_tokens, sampling_rate)
+    t_dec0 = time.perf_counter()
+    engine = _engine_for(asr, prep.requests, max_batch)
+    groups_of = [[gi for gi, g in enumerate(prep.groups) if g.item == idx] for idx in range(len(prep.audios))]
+    tokens = [[] for _ in prep.groups]
+    finish = [None] * len(prep.groups)
+    emitted = [""] * len(prep.audios)
+    done = [False] * len(prep.audios)
+
+    def text_of(idx: int) -> tuple[str, bool]:
+        """Text of audio idx that is final so far: finished groups, then the first unfinished one."""
+        parts = []
+        for gi in groups_of[idx]:
+            t = asr.prompts.decode(tokens[gi]).strip()
+            if t:
+                parts.append(t)
+            if finish[gi] is None:
+                break
+        text = " ".join(parts)
+        return text, all(finish[gi] is not None for gi in groups_of[idx])
+
+    for ev in engine.run(prep.requests, ignore_eos=ignore_eos):
+        tokens[ev.request] += ev.tokens
+        if ev.finish_reason is not None:
+            finish[ev.request] = ev.finish_reason
+        idx = prep.groups[ev.request].item
+        text, complete = text_of(idx)
+        if not complete:
+            text = text.rstrip("\ufffd")  # an incomplete multi-byte character: wait for its other bytes
+        if text.startswith(emitted[idx]) and len(text) > len(emitted[idx]):
+            delta = text[len(emitted[idx]):]
+        else:
+            delta = ""  # detokenization revised earlier text (rare); the final result has the exact text
+        emitted[idx] = text if delta else emitted[idx]
+        if complete and not done[idx]:
+            done[idx] = True
+            mine = groups_of[idx]
+            a = prep.audios[idx]
+            timings = dict(prep.timings_ms, decoder_ms=1e3 * (time.perf_counter() - t_dec0),
+                           total_ms=1e3 * (time.perf_counter() - t0))
+            result = Transcription(
+                text=text, token_ids=[t for gi in mine for t in tokens[gi]],
+                finish_reason="length" if any(finish[gi] == "length" for gi in mine) else "stop",
+                duration_s=a.duration_s, num_windows=prep.windows_per_item[idx],
+                num_audio_tokens=sum(prep.groups[gi].audio_tokens for gi in mine), num_groups=len(mine),
+                timings_ms=timings)
+            yield TranscriptDelta(idx, delta, True, result)
+        elif delta:
+            yield TranscriptDelta(idx, delta)
+
+
 def transcribe(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new_tokens: int | None = None,
-               sampling_rate: int | None = None, device=None, ignore_eos: bool = False):
-    """Transcribe one audio input or a list of them (one batch).
+               sampling_rate: int | None = None, device=None, ignore_eos: bool = False, max_batch: int | None = None):
+    """Transcribe one audio input or a list of them.
 
     audio: a file path, a numpy array or a torch tensor (then ``sampling_rate`` is required), or a list of
     these. model: a ``GlmAsr`` from ``load`` or anything ``load`` accepts. prompt: replaces the default
     instruction. max_new_tokens: token budget per prompt (default grows with duration). ignore_eos: decode
-    exactly max_new_tokens tokens (benchmarking). Returns a ``Transcription`` or a list of them.
+    exactly max_new_tokens tokens (benchmarking). max_batch: sequence slots of the continuous-batching engine
+    (default 64 on CUDA). Returns a ``Transcription`` or a list of them, in input order.
     """
     t0 = time.perf_counter()
     _check_options(max_new_tokens, prompt)
     asr = model if isinstance(model, GlmAsr) else load(model, device=device)
     items, batched = _as_batch(audio)
-    prep = _prepare(asr, items, prompt, max_new_tokens, sampling_rate)
-    t_dec0 = time.perf_counter()
-    results = greedy_generate(asr.model, prep.requests, asr.config.text.eos_token_ids, ignore_eos=ignore_eos)
-    timings = dict(prep.timings_ms, decoder_ms=1e3 * (time.perf_counter() - t_dec0),
-                   total_ms=1e3 * (time.perf_counter() - t0))
-
-    out: list[Transcription] = []
-    for idx, a in enumerate(prep.audios):
-        mine = [(g, r) for g, r in zip(prep.groups, results) if g.item == idx]
-        texts = [asr.prompts.decode(r.token_ids).strip() for _, r in mine]
-        token_ids = [t for _, r in mine for t in r.token_ids]
-        reason = "length" if any(r.finish_reason == "length" for _, r in mine) else "stop"
-        out.append(Transcription(text=" ".join(t for t in texts if t), token_ids=token_ids, finish_reason=reason,
-                                 duration_s=a.duration_s, num_windows=prep.windows_per_item[idx],
-                                 num_audio_tokens=sum(g.audio_tokens for g, _ in mine), num_groups=len(mine),
-                                 timings_ms=dict(timings)))
+    results: dict[int, Transcription] = {}
+    for delta in _stream(asr, items, prompt, max_new_tokens, sampling_rate, ignore_eos, max_batch, t0):
+        if delta.finished:
+            results[delta.index] = delta.result
+    out = [results[i] for i in range(len(items))]
     return out if batched else out[0]
+
+
+def transcribe_stream(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new_tokens: int | None = None,
+                      sampling_rate: int | None = None, device=None, max_batch: int | None = None
+                      ) -> Iterator[TranscriptDelta]:
+    """Like ``transcribe``, but yields ``TranscriptDelta``s as text is produced (every few decode steps): for a
+    list, deltas of different inputs interleave (``.index`` says which); each input's last delta has
+    ``finished=True`` and the complete ``Transcription`` in ``.result``."""
+    t0 = time.perf_counter()
+    _check_options(max_new_tokens, prompt)
+    asr = model if isinstance(model, GlmAsr) else load(model, device=device)
+    items, _ = _as_batch(audio)
+    yield from _stream(asr, items, prompt, max_new_tokens, sampling_rate, False, max_batch, t0)
 
 
 @torch.inference_mode()

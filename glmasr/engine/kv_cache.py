@@ -27,9 +27,11 @@ class KVCache:
         self.batch = batch
         self.capacity = capacity
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """Store k, v (B, kv_heads, T, head_dim) of tokens at ``positions`` (B, T) into their slots."""
-        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+              rows: torch.Tensor | None = None) -> None:
+        """Store k, v (B, kv_heads, T, head_dim) of tokens at ``positions`` (B, T) into their slots of cache
+        rows ``rows`` (B,) (default 0..B-1)."""
+        rows = (torch.arange(k.shape[0], device=k.device) if rows is None else rows)[:, None]
         # (B, T, kv_heads, head_dim) views of the buffer and the new entries; index_put writes in place.
         self.k[layer].transpose(1, 2)[rows, positions] = k.transpose(1, 2)
         self.v[layer].transpose(1, 2)[rows, positions] = v.transpose(1, 2)

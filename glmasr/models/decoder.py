@@ -38,22 +38,23 @@ class DecoderAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, positions, cache: KVCache, layer: int, kv_len: int) -> torch.Tensor:
+    def forward(self, x, cos, sin, positions, cache: KVCache, layer: int, kv_len: int, rows) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        cache.write(layer, k, v, positions)
+        cache.write(layer, k, v, positions, rows)
         slots = torch.arange(kv_len, device=x.device)
         # Causal by position: a query at position p sees slots 0..p of its own row.
         visible = slots[None, None, :] <= positions[:, :, None]  # (B, T, S)
         # Slots past a row's last position in this call may hold anything (another sequence's old entries,
         # unwritten memory): zero them so that masked scores and 0-weighted values stay finite.
         written = (slots[None, :] <= positions.amax(dim=1)[:, None])[:, None, :, None]  # (B, 1, S, 1)
-        keys = torch.where(written, cache.k[layer, :b, :, :kv_len], 0)
-        values = torch.where(written, cache.v[layer, :b, :, :kv_len], 0)
+        rows = torch.arange(b, device=x.device) if rows is None else rows
+        keys = torch.where(written, cache.k[layer][rows, :, :kv_len], 0)
+        values = torch.where(written, cache.v[layer][rows, :, :kv_len], 0)
         a = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=visible[:, None], scale=self.head_dim ** -0.5,
             enable_gqa=self.num_heads != self.num_kv_heads,
@@ -80,8 +81,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DecoderMLP(cfg)
 
-    def forward(self, x, cos, sin, positions, cache, layer, kv_len):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, kv_len)
+    def forward(self, x, cos, sin, positions, cache, layer, kv_len, rows):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, kv_len, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -99,12 +100,14 @@ class TextDecoder(nn.Module):
             self.rope = RotaryTable(self.cfg.head_dim, self.cfg.max_position_embeddings, self.cfg.rope_theta, device)
         return self.rope
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, hidden) embeddings at ``positions`` (B, T) -> final-normed hidden states (B, T, hidden).
 
-        ``kv_len`` bounds the cache slots attended to (> every position in the call).
+        ``kv_len`` bounds the cache slots attended to (> every position in the call); sequence b lives in
+        cache row ``rows[b]`` (default b).
         """
         cos, sin = self.rotary(x.device).lookup(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, positions, cache, i, kv_len)
+            x = layer(x, cos, sin, positions, cache, i, kv_len, rows)
         return self.norm(x)

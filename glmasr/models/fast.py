@@ -140,8 +140,10 @@ class FastGlmAsrModel:
     def embed_prompt(self, input_ids: torch.Tensor, audio_rows: torch.Tensor) -> torch.Tensor:
         return self.reference.embed_prompt(input_ids, audio_rows)
 
-    def decode(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int) -> torch.Tensor:
-        """Decoder over embeddings (B, T, hidden) at positions (B, T); returns final-normed hidden states."""
+    def decode(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Decoder over embeddings (B, T, hidden) at positions (B, T), sequence b in cache row ``rows[b]``
+        (default b); returns final-normed hidden states."""
         c = self.cfg.text
         b, t, hidden = embeds.shape
         nq, nk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -157,13 +159,13 @@ class FastGlmAsrModel:
             q = qkv[..., : nq * d].view(b, t, nq, d)
             k = qkv[..., nq * d:(nq + nk) * d].view(b, t, nk, d)
             v = qkv[..., (nq + nk) * d:].view(b, t, nk, d)
-            rope_and_append(q, k, v, positions, self.dec_cos, self.dec_sin, cache.k[i], cache.v[i])
+            rope_and_append(q, k, v, positions, self.dec_cos, self.dec_sin, cache.k[i], cache.v[i], cache_rows=rows)
             if prefill:
                 attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                       is_causal=True, scale=d ** -0.5, enable_gqa=nq != nk)
                 attn = attn.transpose(1, 2).reshape(b, t, nq * d)
             else:
-                attn = decode_attention(q[:, 0], cache.k[i], cache.v[i], lengths, max_len=kv_len,
+                attn = decode_attention(q[:, 0], cache.k[i], cache.v[i], lengths, max_len=kv_len, cache_rows=rows,
                                         sm_scale=d ** -0.5).reshape(b, 1, nq * d)
             h, residual = rms_norm(F.linear(attn, lw.w_o), lw.ln2, eps, residual=residual)
             mlp = F.linear(swiglu(F.linear(h, lw.w_gate_up)), lw.w_down)

@@ -53,9 +53,11 @@ class GlmAsrModel(nn.Module):
         embeds[slots] = audio_rows.to(embeds.dtype)
         return embeds
 
-    def decode(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int) -> torch.Tensor:
-        """Run the decoder on embeddings at positions; returns final-normed hidden states."""
-        return self.language_model(embeds, positions, cache, kv_len)
+    def decode(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the decoder on embeddings at positions (sequence b in cache row ``rows[b]``, default b);
+        returns final-normed hidden states."""
+        return self.language_model(embeds, positions, cache, kv_len, rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,0 +1,262 @@
+"""The engine loop: continuous batching over fixed sequence slots, decode steps replayed as CUDA graphs.
+
+- **Slots.** The engine owns one KV cache of (max_batch rows, capacity positions) and per-slot state on the
+  device: the last token, its position, an active flag, the remaining token budget, why it finished. A request
+  is prefilled into a free slot (cache row) and decoded there; when it finishes its slot is refilled from the
+  queue (offline continuous batching), so one long transcript does not hold the others up.
+- **Decode step.** One function does a whole step for the first ``b`` slots: embed the last tokens, all decoder
+  layers, lm head, greedy argmax, and the bookkeeping (eos -> stop, budget -> length, append the token to a
+  small on-device output buffer). On CUDA it is captured once per (batch bucket, KV-length bucket) and
+  replayed; there is no host sync per token: the host reads the output buffer back every ``sync_every`` steps
+  (and exactly when budgets run out, which the host can predict), then refills freed slots.
+- **Prefill** of newly admitted requests is one batched forward pass (right-padded, each sequence from slot 0
+  of its own cache row); its argmax goes through the same bookkeeping as a decode step.
+
+The greedy tokens equal ``engine.generate.greedy_generate`` (the plain reference loop) token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from .generate import GenerationRequest, GenerationResult
+from .kv_cache import KVCache
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+MIN_KV_BUCKET = 256
+RUNNING, STOPPED, LENGTH = 0, 1, 2
+
+
+@dataclass
+class TokenEvent:
+    """New tokens of one request, and ``finish_reason`` once it has finished."""
+
+    request: int
+    tokens: list[int]
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+
+
+def _bucket(n: int, buckets) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    return buckets[-1]
+
+
+class Engine:
+    """Continuous-batching greedy decoder over a loaded model (``GlmAsrModel`` or ``FastGlmAsrModel``)."""
+
+    def __init__(self, model, max_batch: int = 64, capacity: int | None = None, use_graphs: bool | None = None,
+                 sync_every: int = 8, max_prefill_tokens: int = 65536):
+        cfg = model.cfg.text
+        self.model = model
+        self.device = model.device
+        self.capacity = min(capacity or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch = max_batch
+        self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
+        self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
+        if self.use_graphs and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.sync_every = max(1, sync_every)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.cache = KVCache(cfg, max_batch, self.capacity, self.device, model.dtype)
+        dev, n = self.device, max_batch
+        self.tokens = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)  # slot of the token in ``tokens``
+        self.active = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.remaining = torch.zeros(n, dtype=torch.long, device=dev)
+        self.ignore_eos = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.status = torch.zeros(n, dtype=torch.long, device=dev)
+        self.stop_token = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.out = torch.full((n, self.sync_every), -1, dtype=torch.long, device=dev)
+        self.step_index = torch.zeros(1, dtype=torch.long, device=dev)
+        self.eos_ids = torch.tensor(sorted(set(cfg.eos_token_ids)), dtype=torch.long, device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graph_pool = None
+
+    # ---- device-side bookkeeping shared by prefill and decode ----
+    def _commit(self, next_tokens: torch.Tensor, b: int, mask: torch.Tensor) -> None:
+        """Apply the greedy step result ``next_tokens`` (b,) to slots [0, b) selected by ``mask``."""
+        is_eos = (next_tokens[:, None] == self.eos_ids[None, :]).any(-1) & ~self.ignore_eos[:b]
+        stop = mask & is_eos
+        append = mask & ~is_eos
+        self.out[:b].index_copy_(1, self.step_index, torch.where(append, next_tokens, -1)[:, None])
+        remaining = self.remaining[:b] - append.long()
+        self.remaining[:b] = remaining
+        hit_length = append & (remaining <= 0)
+        self.status[:b] = torch.where(stop, STOPPED, torch.where(hit_length, LENGTH, self.status[:b]))
+        self.stop_token[:b] = torch.where(stop, next_tokens, self.stop_token[:b])
+        self.active[:b] = mask.logical_not().logical_and(self.active[:b]) | (append & ~hit_length)
+        self.tokens[:b] = torch.where(append, next_tokens, self.tokens[:b])
+        self.positions[:b] += append.long()
+        self.step_index += 1
+
+    def _decode_step(self, b: int, kv_len: int) -> None:
+        model = self.model
+        hidden = model.decode(model.embed_tokens(self.tokens[:b])[:, None], self.positions[:b, None], self.cache,
+                              kv_len=kv_len)
+        self._commit(model.logits(hidden[:, 0]).argmax(-1), b, self.active[:b])
+
+    def _run_steps(self, b: int, kv_len: int, steps: int) -> None:
+        if not self.use_graphs:
+            for _ in range(steps):
+                self._decode_step(b, kv_len)
+            return
+        key = (b, kv_len)
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self._capture(b, kv_len)
+        for _ in range(steps):
+            graph.replay()
+
+    def _capture(self, b: int, kv_len: int) -> "torch.cuda.CUDAGraph":
+        # Warm up on a side stream (compiles Triton kernels, picks cuBLAS algorithms) with the state saved,
+        # since the warm-up steps really run.
+        state = (self.tokens, self.positions, self.active, self.remaining, self.status, self.stop_token, self.out,
+                 self.step_index)
+        saved = [t.clone() for t in state]
+        self.step_index.zero_()  # the warm-up steps really run: keep their output column in range
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._decode_step(b, kv_len)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            self._decode_step(b, kv_len)
+        for t, s in zip(state, saved):
+            t.copy_(s)
+        self.graphs[(b, kv_len)] = graph
+        return graph
+
+    # ---- prefill ----
+    @torch.inference_mode()
+    def _prefill(self, slots: list[int], requests: list[GenerationRequest], ignore_eos: bool) -> None:
+        dev = self.device
+        lengths = [int(r.prompt_embeds.shape[0]) for r in requests]
+        longest = max(lengths)
+        hidden_size = requests[0].prompt_embeds.shape[1]
+        embeds = torch.zeros(len(requests), longest, hidden_size, device=dev, dtype=self.model.dtype)
+        for i, r in enumerate(requests):
+            embeds[i, : lengths[i]] = r.prompt_embeds
+        rows = torch.tensor(slots, device=dev)
+        positions = torch.arange(longest, device=dev).expand(len(requests), longest)
+        hidden = self.model.decode(embeds, positions, self.cache, kv_len=longest, rows=rows)
+        lengths_t = torch.tensor(lengths, device=dev)
+        first = self.model.logits(hidden[torch.arange(len(requests), device=dev), lengths_t - 1]).argmax(-1)
+        # Scatter into a full-width step result and commit only the admitted slots.
+        b = max(slots) + 1
+        next_tokens = torch.zeros(b, dtype=torch.long, device=dev)
+        next_tokens[rows] = first
+        mask = torch.zeros(b, dtype=torch.bool, device=dev)
+        mask[rows] = True
+        self.positions[rows] = lengths_t - 1  # commit moves it to the first generated token's slot
+        self.remaining[rows] = torch.tensor([r.max_new_tokens for r in requests], device=dev)
+        self.ignore_eos[rows] = ignore_eos
+        self.status[rows] = RUNNING
+        self.stop_token[rows] = -1
+        self._commit(next_tokens, b, mask)
+
+    # ---- the loop ----
+    def run(self, requests: list[GenerationRequest] | Iterator[GenerationRequest], ignore_eos: bool = False
+            ) -> Iterator[TokenEvent]:
+        """Decode every request greedily; yields ``TokenEvent``s as tokens become known (every few steps)."""
+        queue = list(requests)
+        for i, r in enumerate(queue):
+            need = r.prompt_embeds.shape[0] + r.max_new_tokens
+            if r.max_new_tokens < 1:
+                raise ValueError(f"request {i}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
+            if need > self.capacity:
+                raise ValueError(f"request {i} needs {need} positions (prompt + max_new_tokens), more than the "
+                                 f"engine's capacity {self.capacity}")
+        slot_owner: list[int | None] = [None] * self.max_batch
+        # host mirror: upper bound of each slot's position, and tokens still allowed
+        host_pos = [0] * self.max_batch
+        host_left = [0] * self.max_batch
+        next_request = 0
+        with torch.inference_mode():
+            while next_request < len(queue) or any(o is not None for o in slot_owner):
+                # admit
+                free = [s for s in range(self.max_batch) if slot_owner[s] is None]
+                admit_slots, admit_reqs, tokens = [], [], 0
+                while free and next_request < len(queue):
+                    r = queue[next_request]
+                    if admit_reqs and tokens + r.prompt_embeds.shape[0] > self.max_prefill_tokens:
+                        break
+                    s = free.pop(0)
+                    admit_slots.append(s)
+                    admit_reqs.append(r)
+                    tokens += r.prompt_embeds.shape[0]
+                    slot_owner[s] = next_request
+                    host_pos[s] = r.prompt_embeds.shape[0] - 1
+                    host_left[s] = r.max_new_tokens
+                    next_request += 1
+                self.step_index.zero_()
+                self.out.fill_(-1)
+                steps = 0
+                if admit_reqs:
+                    self._prefill(admit_slots, admit_reqs, ignore_eos)
+                    steps = 1
+                    for s in admit_slots:
+                        host_pos[s] += 1
+                        host_left[s] -= 1
+                busy = [s for s in range(self.max_batch) if slot_owner[s] is not None and host_left[s] > 0]
+                if busy:
+                    # decode until the next read-back: at most sync_every in total, never past every budget
+                    n = min(self.sync_every - steps, max(host_left[s] for s in busy))
+                    if n > 0:
+                        b = _bucket(max(busy) + 1, self.buckets)
+                        kv_len = min(self.capacity, _bucket_kv(max(host_pos[s] for s in busy) + n + 1,
+                                                               self.capacity))
+                        self._run_steps(b, kv_len, n)
+                        for s in busy:
+                            host_pos[s] += n
+                            host_left[s] -= n
+                        steps += n
+                # read back (the one host sync of this round)
+                out = self.out[:, :steps].tolist()
+                status = self.status.tolist()
+                stop_tokens = self.stop_token.tolist()
+                for s in range(self.max_batch):
+                    owner = slot_owner[s]
+                    if owner is None:
+                        continue
+                    new = [t for t in out[s] if t >= 0]
+                    finished = status[s] != RUNNING
+                    reason = None
+                    stop_token = None
+                    if finished:
+                        reason = "stop" if status[s] == STOPPED else "length"
+                        if reason == "stop":
+                            stop_token = stop_tokens[s]
+                        slot_owner[s] = None
+                    if new or finished:
+                        yield TokenEvent(owner, new, reason, stop_token)
+
+    def generate(self, requests: list[GenerationRequest], ignore_eos: bool = False,
+                 on_event: Callable[[TokenEvent], None] | None = None) -> list[GenerationResult]:
+        results: dict[int, GenerationResult] = {}
+        tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
+        for ev in self.run(requests, ignore_eos=ignore_eos):
+            tokens[ev.request] += ev.tokens
+            if ev.finish_reason is not None:
+                results[ev.request] = GenerationResult(tokens[ev.request], ev.finish_reason, ev.stop_token_id)
+            if on_event is not None:
+                on_event(ev)
+        return [results[i] for i in range(len(requests))]
+
+
+def _bucket_kv(n: int, capacity: int) -> int:
+    b = MIN_KV_BUCKET
+    while b < n:
+        b *= 2
+    return min(b, capacity)

@@ -1,0 +1,112 @@
+"""The continuous-batching engine equals the plain reference loop, token for token."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import glmasr
+from glmasr.api import _prepare
+from glmasr.engine.engine import Engine
+from glmasr.engine.generate import GenerationRequest, greedy_generate
+
+from conftest import noise
+
+SECONDS = (3.5, 12.0, 1.0, 45.0, 7.0, 2.0, 30.0)
+BUDGETS = (5, 20, 3, 17, 20, 9, 12)
+
+
+def requests_for(asr, budgets=BUDGETS):
+    prep = _prepare(asr, [noise(s, 100 + i) for i, s in enumerate(SECONDS)], None, 20, 16000)
+    for r, b in zip(prep.requests, budgets):
+        r.max_new_tokens = b
+    return prep.requests
+
+
+def same(a, b):
+    return [(r.token_ids, r.finish_reason, r.stop_token_id) for r in a] == \
+           [(r.token_ids, r.finish_reason, r.stop_token_id) for r in b]
+
+
+@pytest.mark.parametrize("max_batch, sync_every", [(3, 8), (2, 5), (8, 1), (1, 3), (7, 64)])
+def test_engine_equals_reference_loop_with_refills(tiny_asr, max_batch, sync_every):
+    reqs = requests_for(tiny_asr)
+    ref = greedy_generate(tiny_asr.model, reqs, tiny_asr.config.text.eos_token_ids)
+    got = Engine(tiny_asr.model, max_batch=max_batch, sync_every=sync_every).generate(reqs)
+    assert same(got, ref)
+
+
+@pytest.fixture(scope="module")
+def eos_asr(tiny_shipped, tmp_path_factory):
+    """The tiny checkpoint with eos ids that the random model really produces (so sequences stop early)."""
+    asr = glmasr.load(tiny_shipped, device="cpu")
+    free = greedy_generate(asr.model, requests_for(asr, budgets=(12,) * len(SECONDS)), asr.config.text.eos_token_ids)
+    counts = {}
+    for r in free:
+        for t in r.token_ids[1:]:
+            counts[t] = counts.get(t, 0) + 1
+    common = sorted(counts, key=counts.get, reverse=True)[:2]
+    folder = tmp_path_factory.mktemp("eos") / "ckpt"
+    shutil.copytree(tiny_shipped, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["text_config"]["eos_token_id"] = common
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return glmasr.load(folder, device="cpu")
+
+
+def test_engine_stops_like_the_reference_and_reports_the_stop_token(eos_asr):
+    reqs = requests_for(eos_asr)
+    ref = greedy_generate(eos_asr.model, reqs, eos_asr.config.text.eos_token_ids)
+    assert any(r.finish_reason == "stop" for r in ref) and any(r.finish_reason == "length" for r in ref)
+    got = Engine(eos_asr.model, max_batch=3, sync_every=4).generate(reqs)
+    assert same(got, ref)
+    assert all(r.stop_token_id in eos_asr.config.text.eos_token_ids for r in got if r.finish_reason == "stop")
+    forced = Engine(eos_asr.model, max_batch=3).generate(reqs, ignore_eos=True)
+    assert [len(r.token_ids) for r in forced] == list(BUDGETS)
+
+
+def test_streaming_deltas_add_up_to_the_transcript(eos_asr):
+    audios = [noise(s, 200 + i) for i, s in enumerate((3.0, 20.0, 8.0))]
+    full = glmasr.transcribe(audios, model=eos_asr, sampling_rate=16000, max_new_tokens=15)
+    pieces = {0: "", 1: "", 2: ""}
+    finals = {}
+    for d in glmasr.transcribe_stream(audios, model=eos_asr, sampling_rate=16000, max_new_tokens=15, max_batch=2):
+        assert not (d.index in finals), "no delta after an input's final one"
+        pieces[d.index] += d.text
+        if d.finished:
+            finals[d.index] = d.result
+    assert sorted(finals) == [0, 1, 2]
+    for i, r in enumerate(full):
+        assert finals[i].token_ids == r.token_ids and finals[i].text == r.text
+        assert pieces[i] == r.text
+
+
+def test_capacity_and_budget_errors(tiny_asr):
+    reqs = requests_for(tiny_asr)
+    with pytest.raises(ValueError, match="capacity"):
+        list(Engine(tiny_asr.model, max_batch=2, capacity=64).run(reqs))
+    bad = [GenerationRequest(reqs[0].prompt_embeds, 0)]
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        list(Engine(tiny_asr.model, max_batch=2).run(bad))
+    with pytest.raises(ValueError, match="max_batch"):
+        Engine(tiny_asr.model, max_batch=0)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="needs CUDA, or TRITON_INTERPRET=1 to run the Triton kernels on the CPU")
+def test_engine_on_the_triton_path(tiny_shipped):
+    from glmasr.models.fast import FastGlmAsrModel
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ref = glmasr.load(tiny_shipped, device=dev, dtype="float32", backend="torch")
+    fast = FastGlmAsrModel(glmasr.load(tiny_shipped, device=dev, dtype="float32", backend="torch").model)
+    reqs = requests_for(ref, budgets=(6, 4, 3, 5, 6, 2, 4))
+    expected = greedy_generate(ref.model, reqs, ref.config.text.eos_token_ids)
+    got = Engine(fast, max_batch=3, sync_every=3, use_graphs=False).generate(reqs)
+    assert same(got, expected)
+    if torch.cuda.is_available():  # the same with every decode step replayed from a CUDA graph
+        graphed = Engine(fast, max_batch=3, sync_every=3, use_graphs=True)
+        assert same(graphed.generate(reqs), expected)
+        assert graphed.graphs, "decode steps were captured"
