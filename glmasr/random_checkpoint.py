@@ -136,3 +136,12 @@ def build_checkpoint(folder: str | Path, size: str = "tiny", layout: str = "ship
     processor = GlmAsrProcessor(WhisperFeatureExtractor(feature_size=128), tokenizer, chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(str(folder))
     return folder
+
+
+def ensure_full_size_checkpoint(folder: str | Path = "/tmp/glmasr-full-random") -> Path:
+    """The full-size random bf16 checkpoint used for speed work, built on the GPU once per machine."""
+    folder = Path(folder)
+    if not (folder / "model.safetensors").exists():
+        build_checkpoint(folder, size="full", layout="shipped", seed=0, device="cuda", dtype=torch.bfloat16)
+        torch.cuda.empty_cache()
+    return folder

@@ -13,12 +13,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import glmasr  # noqa: E402
-from glmasr.random_checkpoint import build_checkpoint  # noqa: E402
+from glmasr.random_checkpoint import ensure_full_size_checkpoint  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
-folder = Path("/tmp/glmasr-full-random")
-if not (folder / "model.safetensors").exists():
-    build_checkpoint(folder, size="full", layout="shipped", seed=0, device="cuda", dtype=torch.bfloat16)
+folder = ensure_full_size_checkpoint()
 asr = glmasr.load(folder, device="cuda")
 clip = (torch.randn(56000, generator=torch.Generator().manual_seed(0)) * 0.1).numpy()
 report = {"device": torch.cuda.get_device_name(0), "model": repr(asr)}

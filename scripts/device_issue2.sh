@@ -2,9 +2,7 @@
 # One device call for issue 1-of-4: GPU tests of the reference path + the full-size GPU check.
 # Run through the device tool with carry [".whl"] (soundfile, soxr wheels; see README "Development").
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -m pytest -q tests/test_config.py tests/test_features.py tests/test_audio.py tests/test_weights.py \
   tests/test_tokenizer.py tests/test_end_to_end.py tests/test_fast_path.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_issue2.log" | tail -15

@@ -28,18 +28,7 @@ if [ "${1:-}" = breakdown ]; then
     fi
     exit 0
 fi
-python3 - <<'PY' 2>&1 | tee "$OUT/prewarm.log"
-import os, time, torch
-from concurrent.futures import ProcessPoolExecutor
-from tests.test_logmel_cuda import all_test_configs
-from kernels.logmel._build import get_cubin
-maj, mi = torch.cuda.get_device_capability()
-cfgs = all_test_configs(maj * 100 + mi * 10)
-t = time.time()
-with ProcessPoolExecutor(16) as ex:
-    list(ex.map(get_cubin, cfgs))
-print(f"compiled {len(cfgs)} test configs in {time.time() - t:.1f} s")
-PY
+python3 scripts/prewarm_logmel.py 2>&1 | tee "$OUT/prewarm.log"
 timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rs tests/test_logmel_cuda.py \
     -k "not nvrtc_compiles" --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log" | tail -60
 timeout ${BENCH_TIMEOUT:-240} python3 scripts/bench_logmel.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"

@@ -23,12 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import glmasr  # noqa: E402
 from glmasr.api import teacher_forced_logits  # noqa: E402
 from glmasr.engine.kv_cache import KVCache  # noqa: E402
-from glmasr.random_checkpoint import build_checkpoint  # noqa: E402
+from glmasr.random_checkpoint import ensure_full_size_checkpoint  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 OUT.mkdir(parents=True, exist_ok=True)
 dev = torch.device("cuda")
-folder = Path("/tmp/glmasr-full-random")
 report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
 
 # copy peak (read + write bytes) measured here, for the floors
@@ -46,9 +45,7 @@ copy_peak = 2 * buf.numel() * 10 / (s.elapsed_time(e) * 1e-3)
 report["copy_peak_GBps"] = copy_peak / 1e9
 del buf, dst
 
-if not (folder / "model.safetensors").exists():
-    build_checkpoint(folder, size="full", layout="shipped", seed=0, device="cuda", dtype=torch.bfloat16)
-torch.cuda.empty_cache()
+folder = ensure_full_size_checkpoint()
 fast = glmasr.load(folder, device="cuda", backend="triton")
 ref = glmasr.GlmAsr(fast.config, fast.model.reference, fast.prompts, fast.folder)  # same weights, torch path
 

@@ -2,9 +2,7 @@
 # One device call for issue 3-of-4: all GPU tests of the Triton path, the end-to-end check (logits, decode-step
 # graphs, encoder), then the kernel microbenchmark. Run via the device tool with carry [".whl"].
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source scripts/device_env.sh
 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_fast_path.py \
   tests/test_end_to_end.py 2>&1 | tee "$OUT/pytest_issue4.log" | tail -6
 python3 scripts/device_issue4.py 2>&1 | tee "$OUT/issue4_e2e.log" | tail -32

@@ -105,3 +105,18 @@ def test_cuda_engine_uses_fused_frontend_and_agrees(tiny_shipped):
     ta = glmasr.transcribe(audio, model=fast, sampling_rate=16000, max_new_tokens=8).token_ids
     tb = glmasr.transcribe(audio, model=ref, sampling_rate=16000, max_new_tokens=8).token_ids
     assert ta == tb
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device)")
+def test_encoder_graphs_equal_eager(tiny_shipped):
+    """Encoder replayed from CUDA graphs (window-count buckets, padded with zero windows) equals the eager
+    encoder. fp32; a padded bucket may make cuBLAS/SDPA pick other kernels, so compare to fp32 rounding."""
+    from glmasr.models.fast import FastGlmAsrModel
+
+    ref = glmasr.load(tiny_shipped, device="cuda", dtype="float32", backend="torch")
+    fast = FastGlmAsrModel(ref.model, encoder_graphs=True)
+    for w in (1, 3, 5):
+        feats = torch.randn(w, 128, 3000, device="cuda")
+        out = fast.encode_audio(feats)
+        torch.testing.assert_close(out, fast._encode_eager(feats), rtol=1e-4, atol=1e-5)
+    assert sorted(fast._enc_graphs) == [1, 4, 8]

@@ -77,7 +77,7 @@ class _DecoderLayerWeights:
 class FastGlmAsrModel:
     """GLM-ASR on Triton kernels + cuBLAS GEMMs; see the module docstring."""
 
-    def __init__(self, reference: GlmAsrModel):
+    def __init__(self, reference: GlmAsrModel, encoder_graphs: bool = False):
         if reference.device.type != "cuda" and not interpreting():
             raise ValueError("the Triton model path needs the weights on a CUDA device "
                              "(or TRITON_INTERPRET=1 for CPU testing)")
@@ -97,6 +97,11 @@ class FastGlmAsrModel:
                                                       cfg.audio.rope_theta, device=dev)
         self.dec_cos, self.dec_sin = build_rope_cache(cfg.text.head_dim, cfg.text.max_position_embeddings,
                                                       cfg.text.rope_theta, device=dev)
+        # Encoder CUDA graphs per window-count bucket (opt-in until measured on the device: batch 1 is
+        # launch-bound, ~400 launches from Python per window).
+        self.encoder_graphs = encoder_graphs and dev.type == "cuda"
+        self._enc_graphs: dict[int, tuple] = {}
+        self._enc_pool = None
 
     @property
     def device(self) -> torch.device:
@@ -107,8 +112,37 @@ class FastGlmAsrModel:
         return self.reference.dtype
 
     # ---- audio ----
+    ENCODER_BUCKETS = (1, 2, 4, 8, 16, 32)
+
     def encode_audio(self, features: torch.Tensor) -> torch.Tensor:
         """Log-mel windows (W, n_mels, 3000) -> projected audio embeddings (W, 375, text_hidden)."""
+        w = features.shape[0]
+        if not self.encoder_graphs or w > self.ENCODER_BUCKETS[-1] or torch.cuda.is_current_stream_capturing():
+            return self._encode_eager(features)
+        bucket = next(b for b in self.ENCODER_BUCKETS if b >= w)
+        if bucket not in self._enc_graphs:
+            self._enc_graphs[bucket] = self._capture_encoder(bucket, features)
+        graph, static_in, static_out = self._enc_graphs[bucket]
+        static_in[:w].copy_(features)
+        static_in[w:].zero_()
+        graph.replay()
+        return static_out[:w].clone()
+
+    def _capture_encoder(self, bucket: int, like: torch.Tensor):
+        static_in = torch.zeros((bucket,) + tuple(like.shape[1:]), device=like.device, dtype=like.dtype)
+        stream = torch.cuda.Stream(like.device)
+        stream.wait_stream(torch.cuda.current_stream(like.device))
+        with torch.cuda.stream(stream):
+            self._encode_eager(static_in)  # warm-up: Triton compiles, cuBLAS/SDPA pick their kernels
+        torch.cuda.current_stream(like.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._enc_pool is None:
+            self._enc_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._enc_pool):
+            static_out = self._encode_eager(static_in)
+        return graph, static_in, static_out
+
+    def _encode_eager(self, features: torch.Tensor) -> torch.Tensor:
         a = self.cfg.audio
         x = F.gelu(F.conv1d(features.to(self.dtype), self.conv1.weight, self.conv1.bias, padding=1))
         x = F.gelu(F.conv1d(x, self.conv2.weight, self.conv2.bias, stride=2, padding=1))

@@ -1,0 +1,5 @@
+# Sourced by the scripts/device_*.sh scripts (device tool, carry [".whl"]): installs the carried wheels
+# (nvidia-mathdx, nvidia-cuda-cccl, soundfile, soxr, ...) and sets the environment and $OUT.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 GLMASR_CACHE_DIR=${GLMASR_CACHE_DIR:-/tmp/glmasr_cubins}
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
