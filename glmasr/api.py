@@ -63,6 +63,7 @@ class GlmAsr:
         self.prompts = prompts
         self.folder = folder
         self.frontend = frontend  # "torch" (features.py) or "cuda" (fused cuFFTDx kernel, kernels/logmel)
+        self._engine = None  # built on first use by _engine_for (KV cache, CUDA graphs)
 
     @property
     def device(self) -> torch.device:
@@ -299,7 +300,7 @@ def _engine_for(asr: GlmAsr, requests: list[GenerationRequest], max_batch: int |
         while capacity < need:
             capacity *= 2
     capacity = min(capacity, asr.config.text.max_position_embeddings)
-    engine = getattr(asr, "_engine", None)
+    engine = asr._engine
     if engine is None or engine.max_batch != slots or engine.capacity < need or (not cuda and engine.capacity != capacity):
         asr._engine = None  # free the old cache before allocating the new one
         engine = Engine(asr.model, max_batch=slots, capacity=capacity)

@@ -43,3 +43,25 @@ def noise(seconds: float, seed: int, rate: int = 16000, scale: float = 0.1) -> n
     n = int(round(seconds * rate))
     envelope = 0.5 + 0.5 * np.sin(np.linspace(0, 2 * np.pi * max(1.0, seconds / 2), n)) ** 2
     return (rng.standard_normal(n) * scale * envelope).astype(np.float32)
+
+
+@pytest.fixture
+def nan_kv_cache(monkeypatch):
+    """``poison(asr)``: fill the KV cache of ``asr``'s engine (if built) and of every KVCache created from now on
+    with NaN. Slots a sequence has not written must never reach a result."""
+    from glmasr.engine import kv_cache
+
+    original_init = kv_cache.KVCache.__init__
+
+    def poisoned_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.k.fill_(float("nan"))
+        self.v.fill_(float("nan"))
+
+    def poison(asr):
+        monkeypatch.setattr(kv_cache.KVCache, "__init__", poisoned_init)
+        if asr._engine is not None:
+            asr._engine.cache.k.fill_(float("nan"))
+            asr._engine.cache.v.fill_(float("nan"))
+
+    return poison
