@@ -24,8 +24,8 @@ from .config import GlmAsrConfig
 from .engine.engine import Engine
 from .engine.generate import GenerationRequest
 from .engine.kv_cache import KVCache
-from .features import (frames_to_audio_tokens, min_samples_for_one_token, num_valid_frames, pack_windows,
-                       whisper_features)
+from .features import (SAMPLE_RATE, frames_to_audio_tokens, min_samples_for_one_token, num_valid_frames,
+                       pack_windows, whisper_features)
 from .models.glmasr import GlmAsrModel
 from .tokenizer import PromptBuilder
 from .weights import DEFAULT_MODEL_ID, load_state_dict, read_config, resolve_checkpoint
@@ -158,14 +158,12 @@ def default_max_new_tokens(seconds: float) -> int:
     return DEFAULT_MIN_NEW_TOKENS + math.ceil(DEFAULT_TOKENS_PER_SECOND * seconds)
 
 
-def _plan_groups(item: int, window_lengths: list[int], first_window: int, overhead: int, max_positions: int,
-                 max_new_tokens: int | None) -> list[_Group]:
+def _plan_groups(item: int, window_tokens: list[int], window_seconds: list[float], first_window: int,
+                 overhead: int, max_positions: int, max_new_tokens: int | None) -> list[_Group]:
     """Pack an audio's windows into prompts that fit the context: prompt + token budget <= max_positions."""
     groups: list[_Group] = []
     current: _Group | None = None
-    for offset, n in enumerate(window_lengths):
-        tokens = max(0, int(frames_to_audio_tokens(num_valid_frames(n))))
-        seconds = n / 16000
+    for offset, (tokens, seconds) in enumerate(zip(window_tokens, window_seconds)):
         if current is not None:
             grown_tokens = current.audio_tokens + tokens
             grown_budget = max_new_tokens or default_max_new_tokens(current.seconds + seconds)
@@ -219,18 +217,21 @@ def _prepare(asr: GlmAsr, items: list, prompt: str | None, max_new_tokens: int |
     overhead = len(asr.prompts.encode(1, prompt)) - 1
     max_positions = asr.config.text.max_position_embeddings
     pieces: list[np.ndarray] = []
+    tokens_of: list[int] = []  # audio tokens each window contributes
     groups: list[_Group] = []
     windows_per_item: list[int] = []
     for idx, a in enumerate(audios):
         wins = split_windows(a.samples)
         windows_per_item.append(len(wins))
-        groups += _plan_groups(idx, [w.shape[0] for w in wins], len(pieces), overhead, max_positions,
-                               max_new_tokens)
+        tokens = [max(0, int(frames_to_audio_tokens(num_valid_frames(w.shape[0])))) for w in wins]
+        groups += _plan_groups(idx, tokens, [w.shape[0] / SAMPLE_RATE for w in wins], len(pieces), overhead,
+                               max_positions, max_new_tokens)
         pieces += wins
+        tokens_of += tokens
 
     dev = asr.device
-    # Windows that carry no audio token (a tail shorter than 60 ms) need no encoding.
-    needed = sorted({w for g in groups for w in g.windows})
+    # A window that yields no audio token (a tail under 60 ms after full windows) needs no encoding.
+    needed = [w for w in range(len(pieces)) if tokens_of[w] > 0]
     feats = _features([pieces[w] for w in needed], asr)
     t_feat = time.perf_counter()
     with torch.inference_mode():
@@ -239,10 +240,7 @@ def _prepare(asr: GlmAsr, items: list, prompt: str | None, max_new_tokens: int |
         row_of = {w: i for i, w in enumerate(needed)}
         requests = []
         for g in groups:
-            rows = []
-            for w in g.windows:
-                n = max(0, int(frames_to_audio_tokens(num_valid_frames(pieces[w].shape[0]))))
-                rows.append(embeds[row_of[w], :n])
+            rows = [embeds[row_of[w], :tokens_of[w]] for w in g.windows if tokens_of[w] > 0]
             g.prompt_ids = asr.prompts.encode(g.audio_tokens, prompt)
             ids = torch.tensor(g.prompt_ids, device=dev)
             requests.append(GenerationRequest(asr.model.embed_prompt(ids, torch.cat(rows)), g.max_new_tokens))

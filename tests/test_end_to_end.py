@@ -190,3 +190,13 @@ def test_unwritten_kv_slots_never_reach_results(tiny_asr, nan_kv_cache):
     nan_kv_cache(tiny_asr)
     poisoned = glmasr.transcribe(audios, model=tiny_asr, sampling_rate=16000, max_new_tokens=MAX_NEW)
     assert [r.token_ids for r in poisoned] == [r.token_ids for r in clean]
+
+
+def test_tail_window_without_audio_tokens(tiny_asr, hf_oracle):
+    """30 s + 50 ms: the second window yields no audio token (it is not encoded); tokens still match
+    transformers, which counts audio tokens over the summed mask of both windows."""
+    audio = noise(30.05, 41)
+    expected = hf_generate(hf_oracle, [audio])[0]
+    r = glmasr.transcribe(audio, model=tiny_asr, sampling_rate=16000, max_new_tokens=MAX_NEW)
+    assert r.num_windows == 2 and r.num_audio_tokens == 375
+    assert_same_greedy_tokens(r.token_ids, expected[0], hf_oracle, audio)
