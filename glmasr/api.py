@@ -136,7 +136,8 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
     if backend == "triton" or (backend == "auto" and dev.type == "cuda"):
         from .models.fast import FastGlmAsrModel
 
-        net = FastGlmAsrModel(net, encoder_graphs=os.environ.get("GLMASR_ENCODER_GRAPHS") == "1")
+        net = FastGlmAsrModel(net, encoder_graphs=os.environ.get("GLMASR_ENCODER_GRAPHS") == "1",
+                              decode_gemm=os.environ.get("GLMASR_DECODE_GEMM", "cublas"))
         if dev.type == "cuda":
             from kernels.logmel import is_available
 

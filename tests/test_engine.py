@@ -110,3 +110,22 @@ def test_engine_on_the_triton_path(tiny_shipped):
         graphed = Engine(fast, max_batch=3, sync_every=3, use_graphs=True)
         assert same(graphed.generate(reqs), expected)
         assert graphed.graphs, "decode steps were captured"
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="needs CUDA, or TRITON_INTERPRET=1 to run the Triton kernels on the CPU")
+def test_engine_with_skinny_decode_gemms(tiny_shipped):
+    """Decode steps on the split-K GEMV kernels (opt-in ``decode_gemm='skinny'``) give the reference tokens
+    (fp32: fp32 accumulation in both, only the summation order differs)."""
+    from glmasr.models.fast import FastGlmAsrModel
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ref = glmasr.load(tiny_shipped, device=dev, dtype="float32", backend="torch")
+    fast = FastGlmAsrModel(glmasr.load(tiny_shipped, device=dev, dtype="float32", backend="torch").model,
+                           decode_gemm="skinny")
+    reqs = requests_for(ref, budgets=(5, 4, 3, 5, 2, 2, 4))
+    expected = greedy_generate(ref.model, reqs, ref.config.text.eos_token_ids)
+    got = Engine(fast, max_batch=4, sync_every=3, use_graphs=torch.cuda.is_available()).generate(reqs)
+    assert same(got, expected)
+    with pytest.raises(ValueError, match="decode_gemm"):
+        FastGlmAsrModel(ref.model, decode_gemm="cutlass")

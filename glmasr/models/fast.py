@@ -77,10 +77,15 @@ class _DecoderLayerWeights:
 class FastGlmAsrModel:
     """GLM-ASR on Triton kernels + cuBLAS GEMMs; see the module docstring."""
 
-    def __init__(self, reference: GlmAsrModel, encoder_graphs: bool = False):
+    def __init__(self, reference: GlmAsrModel, encoder_graphs: bool = False, decode_gemm: str = "cublas"):
         if reference.device.type != "cuda" and not interpreting():
             raise ValueError("the Triton model path needs the weights on a CUDA device "
                              "(or TRITON_INTERPRET=1 for CPU testing)")
+        # Decode-step GEMMs (one token per sequence): "cublas", or "skinny" for the split-K GEMV of
+        # kernels/skinny_gemm.py (M <= 16; falls back to cuBLAS above). Opt-in until its sweep has run on the H200.
+        if decode_gemm not in ("cublas", "skinny"):
+            raise ValueError(f"decode_gemm must be 'cublas' or 'skinny', got {decode_gemm!r}")
+        self.decode_gemm = decode_gemm
         self.reference = reference
         self.cfg = cfg = reference.cfg
         enc, dec = reference.audio_tower, reference.language_model
@@ -188,8 +193,9 @@ class FastGlmAsrModel:
         residual = embeds
         h = rms_norm(embeds, self.dec_layers[0].ln1, eps)
         lengths = positions[:, 0] + 1 if not prefill else None
+        linear, linear_swiglu = self._decode_linears(prefill)
         for i, lw in enumerate(self.dec_layers):
-            qkv = F.linear(h, lw.w_qkv)
+            qkv = linear(h, lw.w_qkv)
             q = qkv[..., : nq * d].view(b, t, nq, d)
             k = qkv[..., nq * d:(nq + nk) * d].view(b, t, nk, d)
             v = qkv[..., (nq + nk) * d:].view(b, t, nk, d)
@@ -201,11 +207,20 @@ class FastGlmAsrModel:
             else:
                 attn = decode_attention(q[:, 0], cache.k[i], cache.v[i], lengths, max_len=kv_len, cache_rows=rows,
                                         sm_scale=d ** -0.5).reshape(b, 1, nq * d)
-            h, residual = rms_norm(F.linear(attn, lw.w_o), lw.ln2, eps, residual=residual)
-            mlp = F.linear(swiglu(F.linear(h, lw.w_gate_up)), lw.w_down)
+            h, residual = rms_norm(linear(attn, lw.w_o), lw.ln2, eps, residual=residual)
+            mlp = linear(linear_swiglu(h, lw.w_gate_up), lw.w_down)
             nxt = self.dec_layers[i + 1].ln1 if i + 1 < len(self.dec_layers) else self.final_norm
             h, residual = rms_norm(mlp, nxt, eps, residual=residual)
         return h
 
+    def _decode_linears(self, prefill: bool):
+        """(linear, linear_swiglu) for this call: cuBLAS (+ the SwiGLU kernel), or the skinny GEMV kernels."""
+        if self.decode_gemm == "skinny" and not prefill:
+            from kernels import skinny_gemm
+
+            return skinny_gemm.linear, skinny_gemm.linear_swiglu
+        return F.linear, lambda x, w: swiglu(F.linear(x, w))
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        linear, _ = self._decode_linears(prefill=hidden.dim() > 2 and hidden.shape[-2] > 1)
+        return linear(hidden, self.lm_head).float()
