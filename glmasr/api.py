@@ -122,8 +122,8 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
         raise ValueError(f"unknown backend {backend!r}: use one of {BACKENDS}")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    if backend == "triton" and dev.type != "cuda":
-        raise ValueError(f"backend='triton' needs a CUDA device, got {dev}")
+    if backend == "triton" and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 for CPU testing), got {dev}")
     folder = resolve_checkpoint(model)
     cfg = read_config(folder)
     with torch.device("meta"):

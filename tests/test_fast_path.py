@@ -62,7 +62,7 @@ def test_fast_greedy_tokens_equal_reference_mixed_batch(both_paths):
 def test_backend_validation(tiny_shipped):
     with pytest.raises(ValueError, match="unknown backend"):
         glmasr.load(tiny_shipped, device="cpu", backend="cuda-graphs")
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not INTERPRET:
         with pytest.raises(ValueError, match="needs a CUDA device"):
             glmasr.load(tiny_shipped, device="cpu", backend="triton")
 
