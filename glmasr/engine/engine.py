@@ -223,9 +223,10 @@ class Engine:
                             host_left[s] -= n
                         steps += n
                 # read back (the one host sync of this round)
-                out = self.out[:, :steps].tolist()
-                status = self.status.tolist()
-                stop_tokens = self.stop_token.tolist()
+                state = torch.cat([self.out[:, :steps], self.status[:, None], self.stop_token[:, None]], 1).tolist()
+                out = [row[:steps] for row in state]
+                status = [row[steps] for row in state]
+                stop_tokens = [row[steps + 1] for row in state]
                 for s in range(self.max_batch):
                     owner = slot_owner[s]
                     if owner is None:
