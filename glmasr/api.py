@@ -315,7 +315,8 @@ def _engine_for(asr: GlmAsr, requests: list[GenerationRequest], max_batch: int |
     engine = asr._engine
     if engine is None or engine.max_batch != slots or engine.capacity < need or (not cuda and engine.capacity != capacity):
         asr._engine = None  # free the old cache before allocating the new one
-        engine = Engine(asr.model, max_batch=slots, capacity=capacity)
+        engine = Engine(asr.model, max_batch=slots, capacity=capacity,
+                        prefill_graphs=os.environ.get("GLMASR_PREFILL_GRAPHS") == "1")
         asr._engine = engine
     return engine
 

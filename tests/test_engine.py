@@ -110,6 +110,10 @@ def test_engine_on_the_triton_path(tiny_shipped):
         graphed = Engine(fast, max_batch=3, sync_every=3, use_graphs=True)
         assert same(graphed.generate(reqs), expected)
         assert graphed.graphs, "decode steps were captured"
+        # single-request prefills replayed from graphs (max_batch=1 admits one request per round)
+        prefill_graphed = Engine(fast, max_batch=1, sync_every=3, use_graphs=True, prefill_graphs=True)
+        assert same(prefill_graphed.generate(reqs), expected)
+        assert prefill_graphed._prefill_graphs, "prefills were captured"
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),

@@ -26,6 +26,7 @@ from .generate import GenerationRequest, GenerationResult
 from .kv_cache import KVCache
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 MIN_KV_BUCKET = 256
 RUNNING, STOPPED, LENGTH = 0, 1, 2
 
@@ -51,7 +52,7 @@ class Engine:
     """Continuous-batching greedy decoder over a loaded model (``GlmAsrModel`` or ``FastGlmAsrModel``)."""
 
     def __init__(self, model, max_batch: int = 64, capacity: int | None = None, use_graphs: bool | None = None,
-                 sync_every: int = 8, max_prefill_tokens: int = 65536):
+                 sync_every: int = 8, max_prefill_tokens: int = 65536, prefill_graphs: bool = False):
         cfg = model.cfg.text
         self.model = model
         self.device = model.device
@@ -79,6 +80,10 @@ class Engine:
         self.eos_ids = torch.tensor(sorted(set(cfg.eos_token_ids)), dtype=torch.long, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
+        # Single-request prefill as a CUDA graph per prompt-length bucket (the latency path: an eager prefill is
+        # ~300 launches from Python). Opt-in until measured on the device.
+        self.prefill_graphs = prefill_graphs and self.use_graphs
+        self._prefill_graphs: dict[int, tuple] = {}
 
     # ---- device-side bookkeeping shared by prefill and decode ----
     def _commit(self, next_tokens: torch.Tensor, b: int, mask: torch.Tensor) -> None:
@@ -149,10 +154,14 @@ class Engine:
         for i, r in enumerate(requests):
             embeds[i, : lengths[i]] = r.prompt_embeds
         rows = torch.tensor(slots, device=dev)
-        positions = torch.arange(longest, device=dev).expand(len(requests), longest)
-        hidden = self.model.decode(embeds, positions, self.cache, kv_len=longest, rows=rows)
         lengths_t = torch.tensor(lengths, device=dev)
-        first = self.model.logits(hidden[torch.arange(len(requests), device=dev), lengths_t - 1]).argmax(-1)
+        bucket = _bucket(longest, PREFILL_BUCKETS)
+        if self.prefill_graphs and len(requests) == 1 and longest <= bucket <= self.capacity:
+            first = self._graphed_prefill(bucket, embeds[0], lengths[0], slots[0])
+        else:
+            positions = torch.arange(longest, device=dev).expand(len(requests), longest)
+            hidden = self.model.decode(embeds, positions, self.cache, kv_len=longest, rows=rows)
+            first = self.model.logits(hidden[torch.arange(len(requests), device=dev), lengths_t - 1]).argmax(-1)
         # Scatter into a full-width step result and commit only the admitted slots.
         b = max(slots) + 1
         next_tokens = torch.zeros(b, dtype=torch.long, device=dev)
@@ -165,6 +174,43 @@ class Engine:
         self.status[rows] = RUNNING
         self.stop_token[rows] = -1
         self._commit(next_tokens, b, mask)
+
+    def _graphed_prefill(self, bucket: int, embeds: torch.Tensor, length: int, slot: int) -> torch.Tensor:
+        """Prefill one prompt, right-padded to ``bucket`` positions, from a CUDA graph; returns its first token.
+        The padding writes KV slots [length, bucket) of the row, which decoding overwrites before it reads them."""
+        entry = self._prefill_graphs.get(bucket)
+        if entry is None:
+            dev = self.device
+            static = {"embeds": torch.zeros(1, bucket, embeds.shape[-1], device=dev, dtype=self.model.dtype),
+                      "last": torch.zeros(1, dtype=torch.long, device=dev),
+                      "row": torch.zeros(1, dtype=torch.long, device=dev),
+                      "positions": torch.arange(bucket, device=dev)[None],
+                      "first": torch.zeros(1, dtype=torch.long, device=dev)}
+
+            def run():
+                hidden = self.model.decode(static["embeds"], static["positions"], self.cache, kv_len=bucket,
+                                           rows=static["row"])
+                static["first"].copy_(self.model.logits(hidden[0].index_select(0, static["last"])).argmax(-1))
+
+            static["row"].fill_(slot)  # warm-up writes go to the row being admitted, which the replay rewrites
+            stream = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                run()
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            if self.graph_pool is None:
+                self.graph_pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                run()
+            entry = self._prefill_graphs[bucket] = (graph, static)
+        graph, static = entry
+        static["embeds"].zero_()
+        static["embeds"][0, :length] = embeds[:length]
+        static["last"].fill_(length - 1)
+        static["row"].fill_(slot)
+        graph.replay()
+        return static["first"].clone()
 
     # ---- the loop ----
     def run(self, requests: list[GenerationRequest] | Iterator[GenerationRequest], ignore_eos: bool = False
