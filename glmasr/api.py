@@ -64,24 +64,10 @@ class GlmAsr:
         self.folder = folder
         self.frontend = frontend  # "torch" (features.py) or "cuda" (fused cuFFTDx kernel, kernels/logmel)
         self._engine = None  # built on first use by _engine_for (KV cache, CUDA graphs)
-        self._pinned = None  # host staging buffer for audio going to the GPU
 
     @property
     def device(self) -> torch.device:
         return self.model.device
-
-    def staged(self, host: torch.Tensor) -> torch.Tensor:
-        """Copy a CPU tensor to the model's device through a reused pinned buffer (pinning fresh memory per
-        call costs more than the copy for one clip)."""
-        buf = self._pinned
-        if buf is None or buf.numel() < host.numel():
-            buf = self._pinned = torch.empty(max(host.numel(), 1 << 20), dtype=torch.float32).pin_memory()
-        staging = buf[: host.numel()].view(host.shape)
-        staging.copy_(host)
-        out = staging.to(self.device, non_blocking=True)
-        # the pinned buffer is reused by the next call: make sure this copy has left it
-        torch.cuda.current_stream(self.device).synchronize()
-        return out
 
     @property
     def dtype(self) -> torch.dtype:
@@ -275,7 +261,8 @@ def _features(pieces: list[np.ndarray], asr: GlmAsr) -> torch.Tensor:
         from kernels.logmel import whisper_features as fused_whisper_features
 
         packed, lengths = pack_windows(pieces)
-        return fused_whisper_features(asr.staged(packed), lengths, n_mels)[0]
+        pcm = packed.pin_memory().to(asr.device, non_blocking=True)
+        return fused_whisper_features(pcm, lengths, n_mels)[0]
     return whisper_features(pieces, n_mels, device=asr.device)[0]
 
 
