@@ -18,7 +18,7 @@ The greedy tokens equal ``engine.generate.greedy_generate`` (the plain reference
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -289,16 +289,14 @@ class Engine:
                     if new or finished:
                         yield TokenEvent(owner, new, reason, stop_token)
 
-    def generate(self, requests: list[GenerationRequest], ignore_eos: bool = False,
-                 on_event: Callable[[TokenEvent], None] | None = None) -> list[GenerationResult]:
+    def generate(self, requests: list[GenerationRequest], ignore_eos: bool = False) -> list[GenerationResult]:
+        """All results at once (``run`` yields them as they come)."""
         results: dict[int, GenerationResult] = {}
         tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
         for ev in self.run(requests, ignore_eos=ignore_eos):
             tokens[ev.request] += ev.tokens
             if ev.finish_reason is not None:
                 results[ev.request] = GenerationResult(tokens[ev.request], ev.finish_reason, ev.stop_token_id)
-            if on_event is not None:
-                on_event(ev)
         return [results[i] for i in range(len(requests))]
 
 

@@ -51,12 +51,6 @@ class RotaryTable:
         self.cos = emb.cos()
         self.sin = emb.sin()
 
-    def to(self, device) -> "RotaryTable":
-        self.inv_freq = self.inv_freq.to(device)
-        self.cos = self.cos.to(device)
-        self.sin = self.sin.to(device)
-        return self
-
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape positions.shape + (rotary_dim,), cast to ``dtype``."""
         # No range check here: it would sync the host and break CUDA-graph capture. Callers bound positions
