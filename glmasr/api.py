@@ -136,8 +136,8 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
     if backend == "triton" or (backend == "auto" and dev.type == "cuda"):
         from .models.fast import FastGlmAsrModel
 
-        net = FastGlmAsrModel(net, encoder_graphs=os.environ.get("GLMASR_ENCODER_GRAPHS") == "1",
-                              decode_gemm=os.environ.get("GLMASR_DECODE_GEMM", "cublas"))
+        net = FastGlmAsrModel(net, encoder_graphs=os.environ.get("GLMASR_ENCODER_GRAPHS", "1") != "0",
+                              decode_gemm=os.environ.get("GLMASR_DECODE_GEMM", "skinny"))
         if dev.type == "cuda":
             from kernels.logmel import is_available
 
@@ -303,7 +303,7 @@ def _engine_for(asr: GlmAsr, requests: list[GenerationRequest], max_batch: int |
     if engine is None or engine.max_batch != slots or engine.capacity < need or (not cuda and engine.capacity != capacity):
         asr._engine = None  # free the old cache before allocating the new one
         engine = Engine(asr.model, max_batch=slots, capacity=capacity,
-                        prefill_graphs=os.environ.get("GLMASR_PREFILL_GRAPHS") == "1")
+                        prefill_graphs=os.environ.get("GLMASR_PREFILL_GRAPHS", "1") != "0")
         asr._engine = engine
     return engine
 

@@ -6,6 +6,17 @@
 * ``num_sms(device)``: multiprocessor count (cached), used by launch heuristics; a fixed 132 (H200) when
   interpreting or on CPU so heuristics stay deterministic.
 * ``as_rows(x)``: view a (..., N) tensor as (M, N) with unit stride in the last dim, copying only if needed.
+* ``pdl_enabled(device)`` / ``set_pdl``: whether the kernels of the decode-step chain launch with programmatic
+  dependent launch (PDL, sm_90+), and the in-kernel ``pdl_begin`` / ``pdl_wait`` helpers (see below).
+
+PDL (Hopper's griddepcontrol): a kernel launched with ``launch_pdl=True`` may start while the kernel before
+it in the stream is still running, as soon as every program of that kernel has executed ``pdl_begin``. The
+contract every PDL kernel here keeps: it calls ``pdl_begin`` first, then reads only data no earlier kernel
+of the step writes (weights, norm gains) until ``pdl_wait``, which blocks until the previous kernel has
+finished and its writes are visible; it writes nothing before ``pdl_wait`` and every program executes
+``pdl_wait`` (so the wait is transitive: finishing implies everything earlier finished). The gain is the
+launch latency and ramp of each small decode kernel, overlapped with the tail of the one before, and for the
+GEMVs the first weight tile already in flight. Off under the interpreter, below sm_90, or with GLMASR_PDL=0.
 """
 
 from __future__ import annotations
@@ -14,6 +25,8 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 
 def interpreting() -> bool:
@@ -76,3 +89,44 @@ def warps_for(elems: int) -> int:
     if elems >= 1024:
         return 4
     return 2 if elems >= 256 else 1
+
+
+_PDL_OVERRIDE: bool | None = None
+
+
+def set_pdl(enabled: bool | None) -> None:
+    """Force PDL on/off for launches from now on (None: back to the default, GLMASR_PDL, on unless "0").
+    Kernels already captured in a CUDA graph keep the mode they were captured with."""
+    global _PDL_OVERRIDE
+    _PDL_OVERRIDE = enabled
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_enabled(device: torch.device | None) -> bool:
+    if interpreting() or device is None or device.type != "cuda":
+        return False
+    on = _PDL_OVERRIDE if _PDL_OVERRIDE is not None else os.environ.get("GLMASR_PDL", "1") != "0"
+    return on and _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+def pdl_launch(device: torch.device | None) -> dict:
+    """Launch kwargs and the kernel's PDL constexpr: ``kernel[grid](..., **pdl_launch(x.device))``."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}
+
+
+@triton.jit
+def pdl_begin(PDL: tl.constexpr):
+    """Let the next kernel of the stream launch once every program of this one got here (hint, no ordering)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Block until the previous kernel has finished and its writes are visible (no-op without PDL)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()

@@ -18,6 +18,7 @@ Two launch modes, chosen by ``choose_num_splits(B, Hk, max_len, n_sms)`` unless 
 * split-KV (flash decoding): grid (B, Hk, S); program s covers positions [s*C, (s+1)*C) (C a multiple of
   BLOCK_N, fixed by max_len), writes a partial normalised output and its log-sum-exp (fp32), then a reduction
   kernel (grid (B, Hq)) combines the S partials. Programs past a sequence's length write an empty partial.
+Both kernels launch with PDL on sm_90+ (``_triton_utils.pdl_launch``; they wait before touching anything).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import cdiv, check_device, interpreting, next_pow2, num_sms
+from ._triton_utils import cdiv, check_device, interpreting, next_pow2, num_sms, pdl_begin, pdl_launch, pdl_wait
 
 __all__ = ["decode_attention", "decode_attention_ref", "choose_num_splits"]
 
@@ -96,7 +97,9 @@ def _decode_attn_kernel(Q, K, V, LENS, ROWS, O, OP, LSE, max_len, chunk, n_split
                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_N: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_ROWS: tl.constexpr, NUM_STAGES: tl.constexpr,
-                        DOT_PREC: tl.constexpr, STATIC_ITERS: tl.constexpr):
+                        DOT_PREC: tl.constexpr, STATIC_ITERS: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s_id = tl.program_id(2)
@@ -152,7 +155,9 @@ def _decode_attn_kernel(Q, K, V, LENS, ROWS, O, OP, LSE, max_len, chunk, n_split
 
 @triton.jit
 def _combine_kernel(OP, LSE, O, n_splits, sob, soh, HQ,
-                    D: tl.constexpr, S_P2: tl.constexpr):
+                    D: tl.constexpr, S_P2: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, S_P2)
@@ -212,7 +217,7 @@ def decode_attention(q, k_cache, v_cache, lengths, max_len: int | None = None, c
     ks, vs = k_cache.stride(), v_cache.stride()
     common = dict(GROUP=group, BLOCK_H=block_h, D=D, BLOCK_D=max(16, D), BLOCK_N=block_n, HAS_ROWS=cache_rows is not None,
                   NUM_STAGES=num_stages, DOT_PREC=dot_prec, num_warps=num_warps,
-                  STATIC_ITERS=cdiv(chunk, block_n) if interp else 0)
+                  STATIC_ITERS=cdiv(chunk, block_n) if interp else 0, **pdl_launch(q.device))
     if n_splits == 1:
         _decode_attn_kernel[(B, HK, 1)](
             q, k_cache, v_cache, lengths, rows, out, out, out, max_len, chunk, 1, qk_scale,
@@ -226,5 +231,5 @@ def decode_attention(q, k_cache, v_cache, lengths, max_len: int | None = None, c
         q.stride(0), q.stride(1), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], out.stride(0), out.stride(1),
         SPLIT=True, **common)
     _combine_kernel[(B, HQ)](op, lse, out, n_splits, out.stride(0), out.stride(1), HQ,
-                             D=D, S_P2=next_pow2(n_splits), num_warps=4)
+                             D=D, S_P2=next_pow2(n_splits), num_warps=4, **pdl_launch(q.device))
     return out

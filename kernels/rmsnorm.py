@@ -15,6 +15,8 @@ registers), any N (odd sizes masked).
 
     rms_norm(x, weight, eps)            -> out
     rms_norm(x, weight, eps, residual)  -> (out, new_residual)   new_residual = x + residual
+
+Launched with PDL on sm_90+ (``_triton_utils.pdl_launch``): the gain is loaded before the wait.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import as_rows, cdiv, check_device, row_tile, warps_for
+from ._triton_utils import as_rows, cdiv, check_device, pdl_begin, pdl_launch, pdl_wait, row_tile, warps_for
 
 __all__ = ["rms_norm", "rms_norm_ref"]
 
@@ -42,7 +44,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
 
 @triton.jit
 def _rmsnorm_kernel(X, R, W, Y, RO, M, N, sx, sr, sy, sro, eps,
-                    HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -50,6 +53,8 @@ def _rmsnorm_kernel(X, R, W, Y, RO, M, N, sx, sr, sy, sro, eps,
     cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
     rows64 = rows.to(tl.int64)
+    w = tl.load(W + cols, mask=cmask, other=0.0)  # the gain is never written by the step: safe before the wait
+    pdl_wait(PDL)
     x = tl.load(X + rows64[:, None] * sx + cols[None, :], mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(R + rows64[:, None] * sr + cols[None, :], mask=mask, other=0.0)
@@ -59,7 +64,6 @@ def _rmsnorm_kernel(X, R, W, Y, RO, M, N, sx, sr, sy, sro, eps,
     ms = tl.sum(xf * xf, axis=1) / N
     rstd = tl.math.rsqrt(ms + eps)
     y = (xf * rstd[:, None]).to(X.dtype.element_ty)
-    w = tl.load(W + cols, mask=cmask, other=0.0)
     out = y.to(tl.float32) * w.to(tl.float32)[None, :]
     tl.store(Y + rows64[:, None] * sy + cols[None, :], out.to(Y.dtype.element_ty), mask=mask)
 
@@ -90,5 +94,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, residual:
         bm, bn = row_tile(n)
         _rmsnorm_kernel[(cdiv(m, bm),)](
             x2, r2, w, out2, ro2, m, n, x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0), float(eps),
-            HAS_RES=residual is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps_for(bm * bn))
+            HAS_RES=residual is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps_for(bm * bn),
+            **pdl_launch(x.device))
     return out if residual is None else (out, new_res)

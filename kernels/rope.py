@@ -17,7 +17,7 @@ Decoder: D = R = 128, theta 1e4. Encoder: D = 64, R = 32 (partial), theta 1e4.
 
 ``rope_and_append`` additionally writes the rotated k and the v of each token to slot p of its row of a KV
 cache (see kv_append.py for the layout), in the same single launch (q rotated in place; k written back in place
-too unless ``write_k=False``).
+too unless ``write_k=False``). Launched with PDL on sm_90+ (``_triton_utils.pdl_launch``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import cdiv, check_device, interpreting, next_pow2
+from ._triton_utils import cdiv, check_device, interpreting, next_pow2, pdl_begin, pdl_launch, pdl_wait
 
 __all__ = ["build_rope_cache", "rope_", "rope_ref", "rope_and_append", "rope_and_append_ref"]
 
@@ -143,7 +143,9 @@ def _rope_kernel(Q, K, P, COS, SIN, CS, T, HQ, HK, NTOK, NQB,
                  HQ_P2: tl.constexpr, HK_P2: tl.constexpr,
                  HALF: tl.constexpr, HALF_P2: tl.constexpr, PASS: tl.constexpr, PASS_P2: tl.constexpr,
                  BLOCK_TQ: tl.constexpr, BLOCK_TK: tl.constexpr, APPEND: tl.constexpr, WRITE_K: tl.constexpr,
-                 HAS_ROWS: tl.constexpr):
+                 HAS_ROWS: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    pdl_wait(PDL)
     # programs [0, NQB) rotate q (BLOCK_TQ tokens each), the rest rotate k (BLOCK_TK tokens each)
     pid = tl.program_id(0)
     if pid < NQB:
@@ -208,7 +210,7 @@ def _launch(q, k, positions, cos_cache, sin_cache, v=None, k_cache=None, v_cache
         k_cache, v_cache, v, vs[0], vs[1], vs[2], dummy_rows, kcs[0], kcs[1], kcs[2], vcs[0], vcs[1], vcs[2],
         HQ_P2=hq_p2, HK_P2=hk_p2, HALF=half, HALF_P2=half_p2, PASS=D - 2 * half,
         PASS_P2=next_pow2(max(1, D - 2 * half)), BLOCK_TQ=btq, BLOCK_TK=btk, APPEND=append, WRITE_K=write_k,
-        HAS_ROWS=cache_rows is not None, num_warps=num_warps or 4,
+        HAS_ROWS=cache_rows is not None, num_warps=num_warps or 4, **pdl_launch(q.device),
         # keep every intermediate rounding of HF's bf16 math: with fp fusion on, the compiler contracts the
         # products into FMAs / drops the fp32->bf16->fp32 round trips (measured: 10-20% of bf16 outputs 1 ulp off)
         **({} if interpreting() else dict(enable_fp_fusion=False)))

@@ -33,7 +33,11 @@ Split-K (SPLIT_K > 1, for shapes whose N / BLOCK_N leaves SMs idle) writes fp32 
 second small kernel sums the splits in a fixed order (deterministic) and applies the epilogue (cast or SwiGLU).
 
 ``select(M, N, K, swiglu=False)`` returns the ``SkinnyConfig`` for a shape (the tuned table ``CONFIGS`` for
-the decoder's shapes, else a heuristic) or ``None`` = use cuBLAS (M > 16). ``*_ref`` are the plain-torch
+the decoder's shapes, else a heuristic) or ``None`` = use cuBLAS (M > 16, or where the sweep found cuBLAS
+faster).
+
+PDL (sm_90+, ``_triton_utils.pdl_launch``): the first W tile of each program is loaded before ``pdl_wait``,
+so in a chain of decode kernels the weight stream starts while the previous kernel drains. ``*_ref`` are the plain-torch
 references (fp32 math on the given, already rounded, inputs).
 
 Interpreter (TRITON_INTERPRET=1): CPU tensors accepted; tl.dot is fed fp32 copies (its bf16 dot is wrong); the
@@ -49,10 +53,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._triton_utils import as_rows, cdiv, check_device, interpreting, next_pow2
+from ._triton_utils import as_rows, cdiv, check_device, interpreting, next_pow2, pdl_begin, pdl_launch, pdl_wait
 
 __all__ = [
-    "SkinnyConfig", "CONFIGS", "MAX_M", "select", "skinny_gemm", "skinny_gemm_swiglu", "skinny_gemm_ref",
+    "SkinnyConfig", "CONFIGS", "MAX_M", "select", "kernel_config", "skinny_gemm", "skinny_gemm_swiglu", "skinny_gemm_ref",
     "skinny_gemm_swiglu_ref", "linear", "linear_swiglu", "m_bucket",
 ]
 
@@ -113,28 +117,37 @@ def _load_w(ptrs, nmask, kmask, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _k_step(X, w_ptrs, w2_ptrs, k0, M, K, sx, offs_m, offs_k, nmask, acc, acc2,
-            BLOCK_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
-            SWIGLU: tl.constexpr, UPCAST: tl.constexpr):
-    """One K tile: acc (+ acc2 for the SwiGLU up rows) += x[:, k0:k0+BK] . W_tile."""
-    k = k0 + offs_k
-    kmask = k < K
+def _load_tiles(w_ptrs, w2_ptrs, k0, K, offs_k, nmask, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                SWIGLU: tl.constexpr):
+    """The W tile (and, for SwiGLU, the matching up tile) at K offset k0; w2 is w when not SwiGLU."""
+    kmask = (k0 + offs_k) < K
     w = _load_w(w_ptrs + k0, nmask, kmask, EVEN_N, EVEN_K)
+    w2 = w
     if SWIGLU:
         w2 = _load_w(w2_ptrs + k0, nmask, kmask, EVEN_N, EVEN_K)
+    return w, w2
+
+
+@triton.jit
+def _k_step(X, w, w2, k0, M, K, sx, offs_m, offs_k, acc, acc2,
+            BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, SWIGLU: tl.constexpr, UPCAST: tl.constexpr,
+            DOT_PREC: tl.constexpr):
+    """One K tile: acc (+ acc2 for the SwiGLU up rows) += x[:, k0:k0+BK] . W_tile (tiles already loaded)."""
+    k = k0 + offs_k
+    kmask = k < K
     if USE_DOT:
         # acc (BLOCK_N, BLOCK_M) += W (BN, BK) @ x^T (BK, BM); x rows >= M are zero.
         xt = tl.load(X + offs_m[None, :] * sx + k[:, None], mask=(offs_m < M)[None, :] & kmask[:, None],
                      other=0.0, eviction_policy="evict_last")
         if UPCAST:
             xt = xt.to(tl.float32)
-            acc = tl.dot(w.to(tl.float32), xt, acc)
+            acc = tl.dot(w.to(tl.float32), xt, acc, input_precision=DOT_PREC)
             if SWIGLU:
-                acc2 = tl.dot(w2.to(tl.float32), xt, acc2)
+                acc2 = tl.dot(w2.to(tl.float32), xt, acc2, input_precision=DOT_PREC)
         else:
-            acc = tl.dot(w, xt, acc)
+            acc = tl.dot(w, xt, acc, input_precision=DOT_PREC)
             if SWIGLU:
-                acc2 = tl.dot(w2, xt, acc2)
+                acc2 = tl.dot(w2, xt, acc2, input_precision=DOT_PREC)
     else:
         # acc (BLOCK_M, BLOCK_N): per row of x, broadcast-multiply the fp32 tile and reduce over K.
         wf = w.to(tl.float32)
@@ -176,8 +189,10 @@ def _skinny_kernel(X, W, Y, WS, M, N, K, sx, sw, sy, HALF,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, ITERS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                    USE_DOT: tl.constexpr, SWIGLU: tl.constexpr, UPCAST: tl.constexpr,
-                   NUM_STAGES: tl.constexpr, STATIC: tl.constexpr):
+                   NUM_STAGES: tl.constexpr, STATIC: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
+                   PRELOAD: tl.constexpr):
     # N = output columns (I for SwiGLU); HALF = row offset of the up half in W (I), unused otherwise.
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -193,14 +208,29 @@ def _skinny_kernel(X, W, Y, WS, M, N, K, sx, sw, sy, HALF,
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros_like(acc)
+    # First PRELOAD (1 or 2) K tiles peeled: the weights are never written by the step, so with PDL they are
+    # already in flight while the previous kernel finishes; x (its output) is read only after the wait.
+    w, w2 = _load_tiles(w_ptrs, w2_ptrs, k_base, K, offs_k, nmask, EVEN_N, EVEN_K, SWIGLU)
+    if PRELOAD == 2:
+        wb, wb2 = _load_tiles(w_ptrs, w2_ptrs, k_base + BLOCK_K, K, offs_k, nmask, EVEN_N, EVEN_K, SWIGLU)
+    pdl_wait(PDL)
+    acc, acc2 = _k_step(X, w, w2, k_base, M, K, sx, offs_m, offs_k, acc, acc2, BLOCK_M, USE_DOT, SWIGLU, UPCAST,
+                        DOT_PREC)
+    if PRELOAD == 2:
+        acc, acc2 = _k_step(X, wb, wb2, k_base + BLOCK_K, M, K, sx, offs_m, offs_k, acc, acc2, BLOCK_M, USE_DOT,
+                            SWIGLU, UPCAST, DOT_PREC)
     if STATIC:
-        for it in range(ITERS):
-            acc, acc2 = _k_step(X, w_ptrs, w2_ptrs, k_base + it * BLOCK_K, M, K, sx, offs_m, offs_k, nmask,
-                                acc, acc2, BLOCK_M, EVEN_N, EVEN_K, USE_DOT, SWIGLU, UPCAST)
+        for it in range(PRELOAD, ITERS):
+            k0 = k_base + it * BLOCK_K
+            w, w2 = _load_tiles(w_ptrs, w2_ptrs, k0, K, offs_k, nmask, EVEN_N, EVEN_K, SWIGLU)
+            acc, acc2 = _k_step(X, w, w2, k0, M, K, sx, offs_m, offs_k, acc, acc2, BLOCK_M, USE_DOT, SWIGLU,
+                                UPCAST, DOT_PREC)
     else:
-        for it in tl.range(0, ITERS, num_stages=NUM_STAGES):
-            acc, acc2 = _k_step(X, w_ptrs, w2_ptrs, k_base + it * BLOCK_K, M, K, sx, offs_m, offs_k, nmask,
-                                acc, acc2, BLOCK_M, EVEN_N, EVEN_K, USE_DOT, SWIGLU, UPCAST)
+        for it in tl.range(PRELOAD, ITERS, num_stages=NUM_STAGES):
+            k0 = k_base + it * BLOCK_K
+            w, w2 = _load_tiles(w_ptrs, w2_ptrs, k0, K, offs_k, nmask, EVEN_N, EVEN_K, SWIGLU)
+            acc, acc2 = _k_step(X, w, w2, k0, M, K, sx, offs_m, offs_k, acc, acc2, BLOCK_M, USE_DOT, SWIGLU,
+                                UPCAST, DOT_PREC)
 
     offs_m64 = offs_m.to(tl.int64)
     if USE_DOT:
@@ -231,7 +261,9 @@ def _skinny_kernel(X, W, Y, WS, M, N, K, sx, sw, sy, HALF,
 
 @triton.jit
 def _splitk_reduce_kernel(WS, Y, M, N, sy, HALF, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    pdl_wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     m = offs // N
@@ -262,10 +294,42 @@ def m_bucket(m: int) -> int:
     return next_pow2(max(1, m))
 
 
-# Tuned per (N, K, M bucket, swiglu) for the GLM-ASR-Nano decoder (hidden 2048, 16+4x128 heads, I = 6144,
-# vocab 59264) on an H200. Entries: first guesses from the design (see notes/skinny_gemm.md); replace them with
-# the lines printed by ``scripts/bench_skinny_gemm.py --sweep`` (it prints this dict ready to paste).
-CONFIGS: dict[tuple[int, int, int, bool], SkinnyConfig] = {}
+# Tuned per (W rows N, K, M bucket, swiglu) for the GLM-ASR-Nano decoder (hidden 2048, 16+4x128 heads,
+# I = 6144, vocab 59264): ``scripts/bench_skinny_gemm.py --sweep`` on one H200, 2026-11-29 (438 configs, each
+# timed in a CUDA graph over rotating weights; see notes/skinny_gemm.md for the table). ``None`` = cuBLAS was
+# faster for that shape. Shapes not listed use ``_heuristic``.
+CONFIGS: dict[tuple[int, int, int, bool], SkinnyConfig | None] = {
+    (2048, 2048, 1, False): SkinnyConfig(4, 1024, 1, num_warps=4, num_stages=1, use_dot=False),
+    (2048, 2048, 2, False): SkinnyConfig(4, 1024, 1, num_warps=4, num_stages=1, use_dot=False),
+    (2048, 2048, 4, False): SkinnyConfig(32, 128, 1, num_warps=4, num_stages=6, use_dot=True),
+    (2048, 2048, 8, False): SkinnyConfig(32, 128, 1, num_warps=4, num_stages=6, use_dot=True),
+    (2048, 2048, 16, False): SkinnyConfig(32, 256, 1, num_warps=4, num_stages=4, use_dot=True),
+    (2048, 6144, 1, False): SkinnyConfig(4, 1024, 1, num_warps=4, num_stages=1, use_dot=False),
+    (2048, 6144, 2, False): SkinnyConfig(4, 1024, 1, num_warps=4, num_stages=1, use_dot=False),
+    (2048, 6144, 4, False): SkinnyConfig(32, 256, 2, num_warps=4, num_stages=4, use_dot=True),
+    (2048, 6144, 8, False): SkinnyConfig(32, 256, 2, num_warps=4, num_stages=4, use_dot=True),
+    (2048, 6144, 16, False): SkinnyConfig(32, 256, 2, num_warps=4, num_stages=4, use_dot=True),
+    (3072, 2048, 1, False): SkinnyConfig(4, 1024, 1, num_warps=4, num_stages=1, use_dot=False),
+    (3072, 2048, 2, False): SkinnyConfig(4, 1024, 1, num_warps=4, num_stages=1, use_dot=False),
+    (3072, 2048, 4, False): SkinnyConfig(32, 128, 1, num_warps=4, num_stages=6, use_dot=True),
+    (3072, 2048, 8, False): SkinnyConfig(32, 128, 1, num_warps=4, num_stages=6, use_dot=True),
+    (3072, 2048, 16, False): SkinnyConfig(32, 128, 1, num_warps=4, num_stages=6, use_dot=True),
+    (12288, 2048, 1, False): SkinnyConfig(4, 1024, 1, num_warps=4, num_stages=1, use_dot=False),
+    (12288, 2048, 1, True): SkinnyConfig(8, 1024, 1, num_warps=8, num_stages=1, use_dot=False),
+    (12288, 2048, 2, False): SkinnyConfig(16, 256, 1, num_warps=4, num_stages=3, use_dot=False),
+    (12288, 2048, 2, True): SkinnyConfig(16, 256, 1, num_warps=4, num_stages=3, use_dot=False),
+    (12288, 2048, 4, False): SkinnyConfig(64, 128, 1, num_warps=4, num_stages=4, use_dot=True),
+    (12288, 2048, 4, True): SkinnyConfig(64, 128, 1, num_warps=4, num_stages=4, use_dot=True),
+    (12288, 2048, 8, False): SkinnyConfig(64, 128, 1, num_warps=4, num_stages=4, use_dot=True),
+    (12288, 2048, 8, True): SkinnyConfig(64, 128, 1, num_warps=4, num_stages=4, use_dot=True),
+    (12288, 2048, 16, False): SkinnyConfig(64, 128, 1, num_warps=4, num_stages=4, use_dot=True),
+    (12288, 2048, 16, True): SkinnyConfig(64, 128, 1, num_warps=4, num_stages=4, use_dot=True),
+    (59264, 2048, 1, False): SkinnyConfig(4, 1024, 1, num_warps=4, num_stages=1, use_dot=False),
+    (59264, 2048, 2, False): None,  # cuBLAS 57.1 us vs 60.3 us best skinny
+    (59264, 2048, 4, False): SkinnyConfig(64, 128, 1, num_warps=4, num_stages=4, use_dot=True),
+    (59264, 2048, 8, False): SkinnyConfig(64, 128, 1, num_warps=4, num_stages=4, use_dot=True),
+    (59264, 2048, 16, False): SkinnyConfig(64, 128, 1, num_warps=4, num_stages=4, use_dot=True),
+}
 
 
 def _heuristic(m: int, n: int, k: int, swiglu: bool, sms: int = 132) -> SkinnyConfig:
@@ -296,15 +360,24 @@ def select(m: int, n: int, k: int, swiglu: bool = False) -> SkinnyConfig | None:
     """Config for an (m, n, k) problem (n = rows of W, 2I for SwiGLU); None means "use cuBLAS" (m > MAX_M)."""
     if m > MAX_M or m < 1:
         return None
-    cfg = CONFIGS.get((n, k, m_bucket(m), swiglu))
-    if cfg is None:
-        cfg = _heuristic(m, n // 2 if swiglu else n, k, swiglu)
-    return cfg
+    key = (n, k, m_bucket(m), swiglu)
+    if key in CONFIGS:
+        return CONFIGS[key]
+    return _heuristic(m, n // 2 if swiglu else n, k, swiglu)
+
+
+def kernel_config(m: int, n: int, k: int, swiglu: bool = False) -> SkinnyConfig:
+    """The config a direct ``skinny_gemm`` call uses: ``select``'s, or the heuristic where it says cuBLAS."""
+    return select(m, n, k, swiglu) or _heuristic(m, n // 2 if swiglu else n, k, swiglu)
 
 
 # ------------------------------------------------------------------------------------------------ launchers
 
 _WS: dict[tuple[str, int | None], list[torch.Tensor]] = {}
+# K tiles each program of the FMA path (M <= 2) loads before its PDL wait (1 or 2; at most its tile count).
+# Measured on the H200 (benchmark.sh breakdown, same run): decode step 1.266 ms with 1, 1.323 ms with 2 (the
+# extra registers cost more than the earlier bytes in flight gain). The tensor-core path always uses 1.
+PRELOAD_TILES = 1
 
 
 def _workspace(device: torch.device, numel: int) -> torch.Tensor:
@@ -352,7 +425,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
     if k == 0:
         out2.zero_()  # empty sum (silu(0) * 0 = 0 for SwiGLU too)
         return out
-    cfg = config if config is not None else select(m, nw, k, swiglu)
+    cfg = config or kernel_config(m, nw, k, swiglu)
     interp = interpreting()
     bm = m_bucket(m)
     bk = max(16, min(cfg.block_k, next_pow2(k)))
@@ -374,16 +447,19 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
         else:
             ws = _workspace(x.device, need)
     grid = (cdiv(n, bn), split)
+    pdl = pdl_launch(x.device)
     _skinny_kernel[grid](
         x2, w, out2, ws, m, n, k, x2.stride(0), w.stride(0), out2.stride(0), n if swiglu else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, ITERS=iters, EVEN_N=even_n, EVEN_K=even_k,
         USE_DOT=cfg.use_dot, SWIGLU=swiglu, UPCAST=interp, NUM_STAGES=cfg.num_stages, STATIC=interp,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        # fp32 I/O: true fp32 products (tl.dot's default for fp32 is TF32, ~1e-3 relative)
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", PRELOAD=min(1 if cfg.use_dot else PRELOAD_TILES, iters),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     if split > 1:
         block = 1024 if m * n >= 1024 else max(16, next_pow2(m * n))
         _splitk_reduce_kernel[(cdiv(m * n, block),)](
             ws, out2, m, n, out2.stride(0), n if swiglu else 0, SPLIT_K=split, SWIGLU=swiglu, BLOCK=block,
-            num_warps=4)
+            num_warps=4, **pdl)
     return out
 
 

@@ -290,7 +290,7 @@ def bench_shapes(ms: list[int], names: list[str], peak: float):
             x = gen(m, k)
             out = torch.empty(m, no, device="cuda", dtype=BF)
             tmp = torch.empty(m, n, device="cuda", dtype=BF)
-            cfg = sg.select(m, n, k, swiglu)
+            cfg = sg.kernel_config(m, n, k, swiglu)
             byts = n * k * 2 + m * k * 2 + m * no * 2
             t_o = t_c = float("nan")
             try:
@@ -415,7 +415,8 @@ def aot_compile(m: int, n_w: int, k: int, cfg: SkinnyConfig, swiglu: bool, arch:
                  K="i32", sx="i32", sw="i32", sy="i32", HALF="i32")
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, ITERS=iters, EVEN_N=n % bn == 0,
                  EVEN_K=k % bk == 0 and kt % iters == 0, USE_DOT=cfg.use_dot, SWIGLU=swiglu, UPCAST=False,
-                 NUM_STAGES=cfg.num_stages, STATIC=False)
+                 NUM_STAGES=cfg.num_stages, STATIC=False, DOT_PREC="tf32", PDL=True,
+                 PRELOAD=min(1 if cfg.use_dot else sg.PRELOAD_TILES, iters))
     if m == 1:
         const["M"] = 1
     sig = {nm: ("constexpr" if nm in const else types[nm]) for nm in names}
@@ -423,7 +424,7 @@ def aot_compile(m: int, n_w: int, k: int, cfg: SkinnyConfig, swiglu: bool, arch:
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in const.items()},
                     attrs={(names.index(d),): [["tt.divisibility", 16]] for d in div if d not in const})
     ck = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=True))
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(ck.asm["cubin"])
@@ -435,11 +436,12 @@ def aot_compile(m: int, n_w: int, k: int, cfg: SkinnyConfig, swiglu: bool, arch:
     return dict(regs=int(re.search(r"REG:(\d+)", res).group(1)), stack=int(re.search(r"STACK:(\d+)", res).group(1)),
                 smem=ck.metadata.shared, ldg=len(re.findall(r"\bLDG", sass)),
                 ldg128=len(re.findall(r"\bLDG[.A-Z]*\.128", sass)), ldgsts=len(re.findall(r"LDGSTS", sass)),
-                mma=len(re.findall(r"HMMA|HGMMA", sass)), local=len(re.findall(r"\b(?:LDL|STL)\b", sass)))
+                mma=len(re.findall(r"HMMA|HGMMA", sass)), local=len(re.findall(r"\b(?:LDL|STL)\b", sass)),
+                griddep=len(re.findall(r"ACQBULK|griddepcontrol|PREEXIT", sass)))
 
 
 def aot_check(all_candidates: bool) -> int:
-    todo = [(nm, m, nw, k, sg.select(m, nw, k, sw), sw) for nm, (nw, k, sw) in SHAPES.items() for m in BENCH_M]
+    todo = [(nm, m, nw, k, sg.kernel_config(m, nw, k, sw), sw) for nm, (nw, k, sw) in SHAPES.items() for m in BENCH_M]
     if all_candidates:
         todo += [(nm, mb, nw, k, c, sw) for nm in ("qkv", "gate_up_swiglu") for mb in BENCH_M
                  for c in candidates(mb) for (nw, k, sw) in [SHAPES[nm]]]

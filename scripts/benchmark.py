@@ -1,6 +1,6 @@
 """Latency and throughput of our engine against transformers, in one process, on one GPU (the H200).
 
-    bash benchmark.sh [--only latency,decode,encoder,throughput,coldstart] [--quick] [--out DIR]
+    bash benchmark.sh [--only latency,decode,encoder,throughput,coldstart,breakdown] [--quick] [--out DIR]
 
 Every section runs ours and the peers on the same full-size GLM-ASR checkpoint with random bf16 weights
 (built on the GPU once: timing does not depend on weight values; token counts are forced with ignore_eos /
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -27,7 +28,7 @@ import glmasr  # noqa: E402
 from glmasr.engine.engine import Engine, _bucket_kv  # noqa: E402
 from glmasr.random_checkpoint import ensure_full_size_checkpoint  # noqa: E402
 
-SECTIONS = ("latency", "decode", "encoder", "throughput", "coldstart")
+SECTIONS = ("latency", "decode", "encoder", "throughput", "breakdown", "coldstart")
 # --smoke: every section at toy sizes on the tiny random checkpoint, on the CPU (Triton interpreter) or a GPU,
 # so the script itself is tested without spending GPU time (tests/test_benchmark_script.py).
 DEV = "cuda"
@@ -83,7 +84,8 @@ class Peers:
         self.compiled = None
         if compiled:
             m = GlmAsrForConditionalGeneration.from_pretrained(str(folder), dtype=DTYPE, **place).eval()
-            m.forward = torch.compile(m.forward, mode="reduce-overhead", fullgraph=True)
+            # not fullgraph: GLM-ASR's audio/token count check is data-dependent (a graph break there)
+            m.forward = torch.compile(m.forward, mode="reduce-overhead")
             self.compiled = m
 
     def run(self, model, audios, new_tokens, static=False):
@@ -106,8 +108,12 @@ def section_latency(asr, peers, quick):
                                                                  max_new_tokens=n, ignore_eos=True, max_batch=1))
             if peers is not None:
                 row["hf_eager_ms"] = sync_time(lambda: peers.run(peers.eager, [audio], n), 1, 3)
-                if peers.compiled is not None:
-                    row["hf_compiled_ms"] = sync_time(lambda: peers.run(peers.compiled, [audio], n, True), 2, 3)
+                # compiled: the 3.5 s clip only (each new shape recompiles for minutes)
+                if peers.compiled is not None and seconds == 3.5:
+                    try:
+                        row["hf_compiled_ms"] = sync_time(lambda: peers.run(peers.compiled, [audio], n, True), 2, 3)
+                    except Exception as e:  # keep the other numbers of the row
+                        row["hf_compiled_error"] = repr(e)[:300]
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -121,8 +127,10 @@ def section_decode(asr, peaks, quick):
     floor_ms = weight_bytes / (peaks["copy_GBps"] * 1e6)
     rows = []
     engine = Engine(model, max_batch=1, capacity=cfg.max_position_embeddings)
+    steps = 8  # decode steps per timed call (one read-back round)
     for ctx in ((64,) if SMOKE else (64, 2048) if quick else (64, 512, 2048, 8192)):
-        ctx = min(ctx, cfg.max_position_embeddings - 1)
+        # the timed steps write positions ctx-1 .. ctx+6: keep them inside the cache (8192 -> 8184)
+        ctx = min(ctx, engine.capacity - steps)
         engine.cache.k.normal_(0, 0.5)
         engine.cache.v.normal_(0, 0.5)
         engine.tokens.random_(0, cfg.vocab_size)
@@ -130,15 +138,14 @@ def section_decode(asr, peaks, quick):
         engine.active.fill_(True)
         engine.remaining.fill_(10 ** 9)
         engine.ignore_eos.fill_(True)
-        kv_len = _bucket_kv(ctx + 1, engine.capacity)
-        steps = 50
+        kv_len = _bucket_kv(ctx + steps, engine.capacity)
 
         def run():
             engine.step_index.zero_()
             engine.positions.fill_(ctx - 1)
-            engine._run_steps(1, kv_len, min(steps, engine.sync_every))
+            engine._run_steps(1, kv_len, steps)
 
-        ms = sync_time(run, 2, 10) / min(steps, engine.sync_every)
+        ms = sync_time(run, 2, 10) / steps
         rows.append({"context": ctx, "ms_per_token": ms, "floor_ms": floor_ms, "pct_of_floor": 100 * floor_ms / ms})
         print(rows[-1], flush=True)
     return rows
@@ -161,6 +168,18 @@ def section_encoder(asr, peers, peaks, quick):
             ms = sync_time(lambda: asr.model.encode_audio(feats), 2, 5) / w
         row = {"windows": w, "ours_ms_per_window": ms,
                "pct_of_bf16_peak": 100 * flops / (ms * 1e-3) / (peaks["bf16_matmul_TFLOPs"] * 1e12)}
+        model = asr.model
+        if hasattr(model, "encoder_sdpa") and not SMOKE:
+            # the other attention backend, same run (graphs re-captured for it)
+            saved = model.encoder_sdpa
+            try:
+                model.encoder_sdpa = ("flash", "efficient", "math")
+                model.reset_encoder_graphs()
+                with torch.inference_mode():
+                    row["ours_flash_attention_ms_per_window"] = sync_time(lambda: model.encode_audio(feats), 2, 5) / w
+            finally:
+                model.encoder_sdpa = saved
+                model.reset_encoder_graphs()
         if peers is not None:
             enc = peers.eager.model
             mask = torch.ones(w, 3000, dtype=torch.long, device=DEV)
@@ -194,6 +213,131 @@ def section_throughput(asr, peers, quick):
     return rows
 
 
+# Kernel-name patterns -> stage, for the profiler breakdowns (first match wins; names of our Triton kernels,
+# cuBLAS/CUTLASS GEMMs, SDPA flash kernels, torch's own kernels).
+STAGES = (("_skinny_kernel", "GEMV (skinny, Triton)"), ("_splitk_reduce", "GEMV split-K reduce"),
+          ("_rmsnorm", "RMSNorm"), ("_layernorm", "LayerNorm"), ("_rope", "RoPE (+KV append)"),
+          ("_decode_attn", "decode attention"), ("_combine", "decode attention"),
+          ("_gelu", "GELU+bias"), ("_swiglu", "SwiGLU"),
+          ("flash", "attention (SDPA)"), ("fmha", "attention (SDPA)"), ("attention", "attention (SDPA)"),
+          ("conv", "conv (cuDNN)"), ("cudnn", "conv (cuDNN)"), ("implicit", "conv (cuDNN)"),
+          ("gemm", "GEMM (cuBLAS)"), ("nvjet", "GEMM (cuBLAS)"), ("cutlass", "GEMM (cuBLAS)"),
+          ("xmma", "GEMM (cuBLAS)"), ("argmax", "argmax"), ("reduce", "torch reductions"),
+          ("copy", "copies"), ("elementwise", "torch elementwise"), ("index", "torch indexing"))
+
+
+def kernel_stages(fn, iters: int) -> dict:
+    """GPU time per stage (ms per call of ``fn``) from the profiler's CUDA kernel records, eager launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync()
+    # on the CPU (--smoke) the records are CPU ops: the plumbing is what is tested there
+    with profile(activities=[ProfilerActivity.CUDA if DEV == "cuda" else ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            fn()
+        sync()
+    stages: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for evt in prof.key_averages():
+        t = evt.device_time_total if DEV == "cuda" else evt.self_cpu_time_total
+        if not t:
+            continue
+        name = evt.key.lower()
+        stage = next((s for pat, s in STAGES if pat in name), "other")
+        stages[stage] = stages.get(stage, 0.0) + t / 1e3 / iters
+        counts[stage] = counts.get(stage, 0) + evt.count // iters
+    total = sum(stages.values())
+    return {"kernel_ms": total, "stages_ms": dict(sorted(stages.items(), key=lambda kv: -kv[1])),
+            "kernels_per_call": counts}
+
+
+def section_breakdown(asr, peaks):
+    """Where the time goes: latency stages of the 3.5 s / 13-token case, the decode step (graph time with and
+    without PDL, with cuBLAS GEMMs, and GPU time per kernel stage), the encoder per stage at 1 and 32 windows."""
+    from kernels import _triton_utils
+
+    report = {}
+    audio = clip(3.5)
+    n_new = 4 if SMOKE else 13
+    runs, warm = [], (0 if SMOKE else 3)
+    for i in range(warm + (1 if SMOKE else 5)):
+        sync()
+        t0 = time.perf_counter()
+        r = glmasr.transcribe(audio, model=asr, sampling_rate=16000, max_new_tokens=n_new, ignore_eos=True,
+                              max_batch=1)
+        sync()
+        if i >= warm:
+            runs.append(dict(r.timings_ms, wall_ms=1e3 * (time.perf_counter() - t0)))
+    report["latency_3.5s_stages_ms"] = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
+    print(report["latency_3.5s_stages_ms"], flush=True)
+
+    model = asr.model
+    cfg = asr.config.text
+    ctx = 64
+
+    def step_ms(engine, steps=1 if SMOKE else 8):
+        engine.cache.k.normal_(0, 0.5)
+        engine.cache.v.normal_(0, 0.5)
+        engine.tokens.random_(0, cfg.vocab_size)
+        engine.active.fill_(True)
+        engine.remaining.fill_(10 ** 9)
+        engine.ignore_eos.fill_(True)
+
+        def run():
+            engine.step_index.zero_()
+            engine.positions.fill_(ctx - 1)
+            engine._run_steps(1, _bucket_kv(ctx + 1, engine.capacity), steps)
+
+        return (sync_time(run, 0, 1) if SMOKE else sync_time(run, 2, 10)) / steps, run
+
+    from kernels import skinny_gemm
+
+    variants = {}
+    saved_gemm = getattr(model, "decode_gemm", None)
+    saved_preload = skinny_gemm.PRELOAD_TILES
+    try:
+        for label, pdl, gemm, preload in (("default", None, saved_gemm, saved_preload),
+                                          ("GEMV preloads 1 tile", None, saved_gemm, 1),
+                                          ("no PDL", False, saved_gemm, saved_preload),
+                                          ("cuBLAS GEMMs, no PDL", False, "cublas", saved_preload)):
+            _triton_utils.set_pdl(pdl)
+            skinny_gemm.PRELOAD_TILES = preload
+            if saved_gemm is not None:
+                model.decode_gemm = gemm
+            engine = Engine(model, max_batch=1, capacity=1024 if SMOKE else 4096)
+            variants[label], _ = step_ms(engine)
+            del engine
+    finally:
+        _triton_utils.set_pdl(None)
+        skinny_gemm.PRELOAD_TILES = saved_preload
+        if saved_gemm is not None:
+            model.decode_gemm = saved_gemm
+    report["decode_step_graph_ms"] = variants
+    engine = Engine(model, max_batch=1, capacity=1024 if SMOKE else 4096, use_graphs=False)
+    step_ms(engine, 1)
+
+    def eager_step():
+        engine.step_index.zero_()
+        engine.positions.fill_(ctx - 1)
+        engine._decode_step(1, _bucket_kv(ctx + 1, engine.capacity))
+
+    report["decode_step_kernels"] = kernel_stages(eager_step, 1 if SMOKE else 5)
+    del engine
+    print({"decode_step_graph_ms": variants}, report["decode_step_kernels"], flush=True)
+
+    for w in ((1,) if SMOKE else (1, 32)):
+        feats = torch.randn(w, asr.config.audio.num_mel_bins, 3000, device=DEV)
+        with torch.inference_mode():
+            st = kernel_stages(lambda: model._encode_eager(feats) if hasattr(model, "_encode_eager")
+                               else model.encode_audio(feats), 1 if SMOKE else 2)
+        st = {k: ({s: v / w for s, v in val.items()} if k == "stages_ms" else
+                  val / w if k == "kernel_ms" else val) for k, val in st.items()}
+        report[f"encoder_{w}_windows_per_window"] = st
+        print(w, st, flush=True)
+    return report
+
+
 COLD_SNIPPET = """
 import time, sys
 t0 = time.perf_counter()
@@ -218,10 +362,12 @@ def section_coldstart(folder: Path):
         p = subprocess.run([sys.executable, "-c", COLD_SNIPPET, str(folder), DEV], env=env, capture_output=True,
                            text=True)
         wall = time.perf_counter() - t0
-        inner = [float(line.split()[1]) for line in p.stdout.splitlines() if line.startswith("FIRST_TRANSCRIPT_S")]
+        # (one cold H200 run had a NUL byte instead of the space in this line: accept any separator)
+        inner = [float(v) for v in re.findall(r"FIRST_TRANSCRIPT_S[^0-9]{0,4}([0-9.]+)", p.stdout)]
         rows.append({"case": label, "process_start_to_first_transcript_s": wall,
                      "in_process_s": inner[0] if inner else None, "rc": p.returncode,
-                     "stderr_tail": p.stderr[-400:] if p.returncode else ""})
+                     "stderr_tail": p.stderr[-400:] if p.returncode or not inner else "",
+                     "stdout_tail": "" if inner else p.stdout[-400:]})
         print(rows[-1], flush=True)
     return rows
 
@@ -231,7 +377,9 @@ def main():
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run of every section)")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers")
-    ap.add_argument("--no-compile", action="store_true", help="skip transformers + torch.compile")
+    ap.add_argument("--compiled-peer", action="store_true",
+                    help="also transformers + static cache + torch.compile (3.5 s clip; fails on GLM-ASR with "
+                         "transformers 5.17 / torch 2.11, see GUIDE.md)")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the tiny checkpoint (tests the script)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
@@ -265,7 +413,7 @@ def main():
     asr = glmasr.load(folder, device=DEV, dtype=DTYPE, backend="triton")
     report["model"] = repr(asr)
     needs_peers = not args.no_peers and any(s in only for s in ("latency", "encoder", "throughput"))
-    peers = Peers(folder, compiled=not (args.no_compile or args.smoke)) if needs_peers else None
+    peers = Peers(folder, compiled=args.compiled_peer and not args.smoke) if needs_peers else None
     if "transformers" not in report and peers is not None:
         import transformers
 
@@ -274,15 +422,19 @@ def main():
                 "decode": lambda: section_decode(asr, peaks, args.quick),
                 "encoder": lambda: section_encoder(asr, peers, peaks, args.quick),
                 "throughput": lambda: section_throughput(asr, peers, args.quick),
-                "coldstart": lambda: section_coldstart(folder)}
+                "coldstart": lambda: section_coldstart(folder),
+                "breakdown": lambda: section_breakdown(asr, peaks)}
     for name in SECTIONS:
         if name in only:
             t = time.perf_counter()
             try:
                 report[name] = sections[name]()
             except Exception as e:  # keep the other sections' numbers
+                import traceback
+
                 report[name] = {"error": repr(e)}
                 print(f"[{name}] failed: {e!r}", flush=True)
+                traceback.print_exc()
             print(f"[{name}: {time.perf_counter() - t:.0f} s]", flush=True)
             (out / "benchmark.json").write_text(json.dumps(report, indent=2))
     report["total_s"] = time.perf_counter() - t_all

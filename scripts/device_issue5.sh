@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
 # Device calls for issue 4-of-4 (engine), one mode per call (device tool, carry [".whl"]):
+#   bash scripts/device_issue5.sh tests+sweep   the tests, then the skinny GEMM sweep in what is left of ~9 min
+#   bash scripts/device_issue5.sh check   GPU tests of the changed kernels/engine + our numbers without peers
+#   bash scripts/device_issue5.sh final   GPU tests of the last change + the full benchmark.sh (~9.5 min)
 #   bash scripts/device_issue5.sh tests   GPU tests of the engine, Triton path, skinny GEMM, frontend (~3 min)
 #   bash scripts/device_skinny_gemm.sh    (separate call) sweep + tune the decode GEMV (~8 min)
 #   bash scripts/device_issue5.sh bench   benchmark.sh, default paths, then the opt-in paths (~? min)
@@ -11,6 +14,32 @@ if [ "$mode" = tests ]; then
     timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_fast_path.py \
       tests/test_skinny_gemm.py tests/test_logmel_cuda.py tests/test_end_to_end.py -k "not nvrtc_compiles" 2>&1 \
       | tee "$OUT/pytest_issue5.log" | tail -8
+elif [ "$mode" = tests+sweep ]; then
+    t0=$(date +%s)
+    python3 scripts/prewarm_logmel.py 2>&1 | tail -1
+    timeout 260 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_fast_path.py \
+      tests/test_skinny_gemm.py tests/test_logmel_cuda.py tests/test_end_to_end.py -k "not nvrtc_compiles" 2>&1 \
+      | tee "$OUT/pytest_issue5.log" | tail -8
+    echo "tests took $(( $(date +%s) - t0 )) s"
+    left=$(( 555 - ($(date +%s) - t0) - 110 ))
+    [ "$left" -lt 60 ] && left=60
+    timeout $(( left + 120 )) python3 scripts/bench_skinny_gemm.py --sweep --budget "$left" 2>&1 \
+      | tee "$OUT/bench_skinny.log" | tail -60
+elif [ "$mode" = check ]; then
+    # after kernel changes: the GPU tests of everything touched, then our engine's numbers (no peers)
+    python3 scripts/prewarm_logmel.py 2>&1 | tail -1
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_skinny_gemm.py tests/test_triton_kernels.py \
+      tests/test_fast_path.py tests/test_engine.py tests/test_end_to_end.py 2>&1 | tee "$OUT/pytest_check.log" | tail -6
+    timeout 280 bash benchmark.sh --only breakdown,decode,encoder,latency --no-peers --out "$OUT/ours" 2>&1 \
+      | tee "$OUT/bench_ours.log" | grep -v '^ \|^{$\|^}$' | tail -30
+elif [ "$mode" = final ]; then
+    # one call: the GPU tests of the last kernel change, then the full benchmark.sh with the peers
+    t0=$(date +%s)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fast_path.py tests/test_skinny_gemm.py \
+      tests/test_engine.py tests/test_end_to_end.py 2>&1 \
+      | tee "$OUT/pytest_final.log" | tail -4
+    timeout $(( 575 - ($(date +%s) - t0) )) bash benchmark.sh --out "$OUT/bench" 2>&1 | tee "$OUT/bench_full.log" \
+      | grep -v '^ \|^{$\|^}$' | tail -45
 elif [ "$mode" = bench ]; then
     timeout 420 bash benchmark.sh --out "$OUT/default" 2>&1 | tee "$OUT/bench_default.log" | tail -40
     GLMASR_ENCODER_GRAPHS=1 GLMASR_PREFILL_GRAPHS=1 GLMASR_DECODE_GEMM=skinny timeout 150 \

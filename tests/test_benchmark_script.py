@@ -16,13 +16,15 @@ ROOT = Path(__file__).resolve().parent.parent
                     reason="needs CUDA, or TRITON_INTERPRET=1 to run the Triton path on the CPU")
 def test_benchmark_smoke(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--smoke", "--no-peers",
-                        "--only", "latency,decode", "--out", str(tmp_path)], capture_output=True, text=True,
+                        "--only", "latency,decode,breakdown", "--out", str(tmp_path)], capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     report = json.loads((tmp_path / "benchmark.json").read_text())
     assert report["latency"][0]["ours_ms"] > 0
     assert report["decode"][0]["ms_per_token"] > 0
     assert "error" not in report["latency"] and "error" not in report["decode"]
+    assert "error" not in report["breakdown"], report["breakdown"]
+    assert report["breakdown"]["decode_step_graph_ms"]["default"] > 0
 
 
 def test_benchmark_rejects_unknown_sections(tmp_path):

@@ -34,6 +34,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from kernels.activations import gelu_bias, gelu_bias_ref, swiglu, swiglu_ref  # noqa: E402
+from kernels.greedy_commit import greedy_commit, greedy_commit_ref  # noqa: E402
 from kernels.decode_attention import choose_num_splits, decode_attention, decode_attention_ref  # noqa: E402
 from kernels.kv_append import kv_append, kv_append_ref  # noqa: E402
 from kernels.layernorm import layer_norm, layer_norm_ref  # noqa: E402
@@ -290,6 +291,47 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 4, 8192, 132) > 8
     assert choose_num_splits(1, 4, 64, 132) == 1
     assert choose_num_splits(256, 4, 4096, 132) == 1
+
+
+def _commit_state(b, seed):
+    g = torch.Generator().manual_seed(seed)
+    st = dict(eos_ids=torch.tensor([3, 7, 11]), ignore_eos=torch.rand(b + 2, generator=g) < 0.3,
+              out=torch.randint(-1, 50, (b + 2, 8), generator=g), step_index=torch.tensor([5]),
+              remaining=torch.randint(0, 4, (b + 2,), generator=g),
+              status=torch.randint(0, 3, (b + 2,), generator=g),
+              stop_token=torch.randint(-1, 50, (b + 2,), generator=g), active=torch.rand(b + 2, generator=g) < 0.7,
+              tokens=torch.randint(0, 50, (b + 2,), generator=g),
+              positions=torch.randint(0, 100, (b + 2,), generator=g))
+    return {k: v.to(DEV) for k, v in st.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_commit_matches_torch(dtype):
+    """argmax + stop bookkeeping in one kernel == torch argmax + the engine's commit_tokens, on random state:
+    eos picks (some ignored), budgets running out, masked slots, a tie (first index wins), an all -inf row,
+    the maximum in the ragged last tile; slots >= b untouched."""
+    b, v = 9, 2500
+    logits = randn(b, v, dtype=dtype, seed=171)
+    logits[0, 7] = 50.0                           # eos
+    logits[1, 11] = 50.0                          # eos (maybe ignored)
+    logits[2, 40] = logits[2, 1064] = 60.0        # tie (same lane of a 1024-wide tile): index 40
+    logits[3] = float("-inf")                     # all -inf: index 0
+    logits[4, v - 1] = 70.0                       # last, ragged tile
+    logits[5, 3] = 55.0
+    mask = torch.rand(b + 2, generator=torch.Generator().manual_seed(5)) < 0.8
+    mask[:6] = True
+    mask = mask.to(DEV)
+    for seed in (1, 2):
+        ours, ref = _commit_state(b, seed), _commit_state(b, seed)
+        greedy_commit(logits, mask[:b], **ours)
+        picks = greedy_commit_ref(logits, mask[:b], **ref)
+        assert picks[:5].tolist() == [7, 11, 40, 0, v - 1]
+        for name in ours:
+            assert torch.equal(ours[name], ref[name]), name
+    with pytest.raises(ValueError, match="remaining"):
+        bad = _commit_state(b, 3)
+        bad["remaining"] = bad["remaining"].int()
+        greedy_commit(logits, mask[:b], **bad)
 
 
 # ------------------------------------------------------------------------------- GPU: real shapes

@@ -48,6 +48,26 @@ def _bucket(n: int, buckets) -> int:
     return buckets[-1]
 
 
+def commit_tokens(next_tokens, mask, eos_ids, ignore_eos, out, step_index, remaining, status, stop_token, active,
+                  tokens, positions) -> None:
+    """Per-slot bookkeeping of one greedy step for slots [0, b), b = len(next_tokens), those in ``mask``: eos
+    -> STOPPED, budget exhausted -> LENGTH, the token appended to column ``step_index`` of ``out``. Plain torch
+    (the reference of kernels/greedy_commit.py, which fuses it with the argmax); ``step_index`` not advanced."""
+    b = next_tokens.shape[0]
+    is_eos = (next_tokens[:, None] == eos_ids[None, :]).any(-1) & ~ignore_eos[:b]
+    stop = mask & is_eos
+    append = mask & ~is_eos
+    out[:b].index_copy_(1, step_index, torch.where(append, next_tokens, -1)[:, None])
+    rem = remaining[:b] - append.long()
+    remaining[:b] = rem
+    hit_length = append & (rem <= 0)
+    status[:b] = torch.where(stop, STOPPED, torch.where(hit_length, LENGTH, status[:b]))
+    stop_token[:b] = torch.where(stop, next_tokens, stop_token[:b])
+    active[:b] = mask.logical_not().logical_and(active[:b]) | (append & ~hit_length)
+    tokens[:b] = torch.where(append, next_tokens, tokens[:b])
+    positions[:b] += append.long()
+
+
 class Engine:
     """Continuous-batching greedy decoder over a loaded model (``GlmAsrModel`` or ``FastGlmAsrModel``)."""
 
@@ -81,32 +101,36 @@ class Engine:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
         # Single-request prefill as a CUDA graph per prompt-length bucket (the latency path: an eager prefill is
-        # ~300 launches from Python). Opt-in until measured on the device.
+        # ~300 launches from Python). glmasr.transcribe turns it on (GLMASR_PREFILL_GRAPHS=0: off); it is in
+        # every measured latency, but was not timed against the eager prefill on its own.
         self.prefill_graphs = prefill_graphs and self.use_graphs
         self._prefill_graphs: dict[int, tuple] = {}
+        # The Triton model path also fuses the step's argmax and bookkeeping into one kernel (~30 launches less).
+        self.fused_commit = bool(getattr(model, "uses_triton", False))
 
     # ---- device-side bookkeeping shared by prefill and decode ----
+    def _state(self) -> dict:
+        return dict(eos_ids=self.eos_ids, ignore_eos=self.ignore_eos, out=self.out, step_index=self.step_index,
+                    remaining=self.remaining, status=self.status, stop_token=self.stop_token, active=self.active,
+                    tokens=self.tokens, positions=self.positions)
+
     def _commit(self, next_tokens: torch.Tensor, b: int, mask: torch.Tensor) -> None:
         """Apply the greedy step result ``next_tokens`` (b,) to slots [0, b) selected by ``mask``."""
-        is_eos = (next_tokens[:, None] == self.eos_ids[None, :]).any(-1) & ~self.ignore_eos[:b]
-        stop = mask & is_eos
-        append = mask & ~is_eos
-        self.out[:b].index_copy_(1, self.step_index, torch.where(append, next_tokens, -1)[:, None])
-        remaining = self.remaining[:b] - append.long()
-        self.remaining[:b] = remaining
-        hit_length = append & (remaining <= 0)
-        self.status[:b] = torch.where(stop, STOPPED, torch.where(hit_length, LENGTH, self.status[:b]))
-        self.stop_token[:b] = torch.where(stop, next_tokens, self.stop_token[:b])
-        self.active[:b] = mask.logical_not().logical_and(self.active[:b]) | (append & ~hit_length)
-        self.tokens[:b] = torch.where(append, next_tokens, self.tokens[:b])
-        self.positions[:b] += append.long()
+        commit_tokens(next_tokens, mask, **self._state())
         self.step_index += 1
 
     def _decode_step(self, b: int, kv_len: int) -> None:
         model = self.model
         hidden = model.decode(model.embed_tokens(self.tokens[:b])[:, None], self.positions[:b, None], self.cache,
                               kv_len=kv_len)
-        self._commit(model.logits(hidden[:, 0]).argmax(-1), b, self.active[:b])
+        logits = model.logits(hidden[:, 0])
+        if self.fused_commit:
+            from kernels.greedy_commit import greedy_commit
+
+            greedy_commit(logits, self.active[:b], **self._state())  # argmax + bookkeeping, one launch
+            self.step_index += 1
+        else:
+            self._commit(logits.argmax(-1), b, self.active[:b])
 
     def _run_steps(self, b: int, kv_len: int, steps: int) -> None:
         if not self.use_graphs:

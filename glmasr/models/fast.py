@@ -74,15 +74,41 @@ class _DecoderLayerWeights:
         self.ln2 = layer.post_attention_layernorm.weight
 
 
+_SDPA = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+         "math": "MATH"}
+
+
+def _sdpa_backends(names: tuple[str, ...]):
+    """Context: torch SDPA restricted to ``names``, tried in that order."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, _SDPA[n]) for n in names], set_priority=True)
+
+
+def _bucket_chunks(n: int, buckets: tuple[int, ...]) -> list[int]:
+    """n as a sum of bucket sizes, largest first, no padding (buckets: powers of two from 1)."""
+    top, chunks = buckets[-1], []
+    while n >= top:
+        chunks.append(top)
+        n -= top
+    for b in reversed(buckets[:-1]):
+        if n >= b:
+            chunks.append(b)
+            n -= b
+    return chunks
+
+
 class FastGlmAsrModel:
     """GLM-ASR on Triton kernels + cuBLAS GEMMs; see the module docstring."""
 
-    def __init__(self, reference: GlmAsrModel, encoder_graphs: bool = False, decode_gemm: str = "cublas"):
+    uses_triton = True  # the engine then runs its Triton step epilogue (kernels/greedy_commit.py) too
+
+    def __init__(self, reference: GlmAsrModel, encoder_graphs: bool = True, decode_gemm: str = "skinny"):
         if reference.device.type != "cuda" and not interpreting():
             raise ValueError("the Triton model path needs the weights on a CUDA device "
                              "(or TRITON_INTERPRET=1 for CPU testing)")
-        # Decode-step GEMMs (one token per sequence): "cublas", or "skinny" for the split-K GEMV of
-        # kernels/skinny_gemm.py (M <= 16; falls back to cuBLAS above). Opt-in until its sweep has run on the H200.
+        # Decode-step GEMMs (one token per sequence): "skinny" for the GEMV kernels of kernels/skinny_gemm.py
+        # (M <= 16, tuned table; cuBLAS above and where the sweep found cuBLAS faster), or "cublas".
         if decode_gemm not in ("cublas", "skinny"):
             raise ValueError(f"decode_gemm must be 'cublas' or 'skinny', got {decode_gemm!r}")
         self.decode_gemm = decode_gemm
@@ -102,11 +128,14 @@ class FastGlmAsrModel:
                                                       cfg.audio.rope_theta, device=dev)
         self.dec_cos, self.dec_sin = build_rope_cache(cfg.text.head_dim, cfg.text.max_position_embeddings,
                                                       cfg.text.rope_theta, device=dev)
-        # Encoder CUDA graphs per window-count bucket (opt-in until measured on the device: batch 1 is
-        # launch-bound, ~400 launches from Python per window).
+        # Encoder CUDA graphs per window-count bucket (a power of two <= 32): eager batch 1 is launch-bound
+        # (~400 launches from Python per pass).
         self.encoder_graphs = encoder_graphs and dev.type == "cuda"
         self._enc_graphs: dict[int, tuple] = {}
         self._enc_pool = None
+        # Encoder attention (1500 x 1500 per head, no mask): SDPA backends in priority order; the first that
+        # supports the call runs (cuDNN's Hopper kernel first; fp32 falls through to the efficient/math ones).
+        self.encoder_sdpa = ("cudnn", "flash", "efficient", "math")
 
     @property
     def device(self) -> torch.device:
@@ -120,18 +149,33 @@ class FastGlmAsrModel:
     ENCODER_BUCKETS = (1, 2, 4, 8, 16, 32)
 
     def encode_audio(self, features: torch.Tensor) -> torch.Tensor:
-        """Log-mel windows (W, n_mels, 3000) -> projected audio embeddings (W, 375, text_hidden)."""
+        """Log-mel windows (W, n_mels, 3000) -> projected audio embeddings (W, 375, text_hidden).
+
+        With graphs, W is split into chunks whose sizes are buckets (32s, then the binary digits of the rest:
+        7 = 4 + 2 + 1), so no padded window is ever computed; each chunk replays its bucket's graph."""
         w = features.shape[0]
-        if not self.encoder_graphs or w > self.ENCODER_BUCKETS[-1] or torch.cuda.is_current_stream_capturing():
+        if not self.encoder_graphs or w == 0 or torch.cuda.is_current_stream_capturing():
             return self._encode_eager(features)
-        bucket = next(b for b in self.ENCODER_BUCKETS if b >= w)
+        outs, start = [], 0
+        for size in _bucket_chunks(w, self.ENCODER_BUCKETS):
+            outs.append(self._encode_graphed(features[start:start + size]))
+            start += size
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def reset_encoder_graphs(self) -> None:
+        """Drop the captured encoder graphs and their memory pool (after changing ``encoder_sdpa``). The pool
+        handle goes too: capturing into the pool of freed graphs trips the caching allocator."""
+        self._enc_graphs.clear()
+        self._enc_pool = None
+
+    def _encode_graphed(self, features: torch.Tensor) -> torch.Tensor:
+        bucket = features.shape[0]
         if bucket not in self._enc_graphs:
             self._enc_graphs[bucket] = self._capture_encoder(bucket, features)
         graph, static_in, static_out = self._enc_graphs[bucket]
-        static_in[:w].copy_(features)
-        static_in[w:].zero_()
+        static_in.copy_(features)
         graph.replay()
-        return static_out[:w].clone()
+        return static_out.clone()
 
     def _capture_encoder(self, bucket: int, like: torch.Tensor):
         static_in = torch.zeros((bucket,) + tuple(like.shape[1:]), device=like.device, dtype=like.dtype)
@@ -156,6 +200,17 @@ class FastGlmAsrModel:
         positions = torch.arange(t, device=x.device, dtype=torch.int32).expand(w, t)
         eps = a.layer_norm_eps
         h = layer_norm(residual, *self.enc_layers[0].ln1, eps)
+        with _sdpa_backends(self.encoder_sdpa):
+            h = self._encoder_layers(h, residual, positions)
+        merged = h.reshape(w, t // self.cfg.merge_factor, hidden * self.cfg.merge_factor)
+        p = self.proj
+        return F.linear(gelu_bias(F.linear(merged, p.linear_1.weight), p.linear_1.bias),
+                        p.linear_2.weight, p.linear_2.bias)
+
+    def _encoder_layers(self, h: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        a = self.cfg.audio
+        w, t, hidden = residual.shape
+        eps = a.layer_norm_eps
         for i, lw in enumerate(self.enc_layers):
             qkv = F.linear(h, lw.w_qkv, lw.b_qkv).view(w, t, 3, a.num_attention_heads, a.head_dim)
             q, k, v = qkv.unbind(2)
@@ -167,10 +222,7 @@ class FastGlmAsrModel:
             m = F.linear(gelu_bias(F.linear(h, lw.w_fc1), lw.b_fc1), lw.w_fc2, lw.b_fc2)
             nxt = self.enc_layers[i + 1].ln1 if i + 1 < len(self.enc_layers) else self.enc_norm
             h, residual = layer_norm(m, *nxt, eps, residual=residual)
-        merged = h.reshape(w, t // self.cfg.merge_factor, hidden * self.cfg.merge_factor)
-        p = self.proj
-        return F.linear(gelu_bias(F.linear(merged, p.linear_1.weight), p.linear_1.bias),
-                        p.linear_2.weight, p.linear_2.bias)
+        return h
 
     # ---- text ----
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
