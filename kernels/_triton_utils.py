@@ -6,6 +6,7 @@
 * ``num_sms(device)``: multiprocessor count (cached), used by launch heuristics; a fixed 132 (H200) when
   interpreting or on CPU so heuristics stay deterministic.
 * ``as_rows(x)``: view a (..., N) tensor as (M, N) with unit stride in the last dim, copying only if needed.
+* ``residual_rows``: the residual / new-residual buffers of the norm launchers fused with a residual add.
 * ``pdl_enabled(device)`` / ``set_pdl``: whether the kernels of the decode-step chain launch with programmatic
   dependent launch (PDL, sm_90+), and the in-kernel ``pdl_begin`` / ``pdl_wait`` helpers (see below).
 
@@ -62,6 +63,17 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
         return x.view(-1, n)
     except RuntimeError:
         return x.reshape(-1, n)
+
+
+def residual_rows(x2: torch.Tensor, residual: torch.Tensor | None, shape: torch.Size):
+    """For the norm launchers fused with a residual add: (residual rows, new-residual rows, new residual).
+    Without a residual, x's rows stand in for both pointers (never read or written: HAS_RES is off)."""
+    if residual is None:
+        return x2, x2, None
+    if residual.shape != shape or residual.dtype != x2.dtype:
+        raise ValueError("residual must have x's shape and dtype")
+    new_res = torch.empty(shape, device=x2.device, dtype=x2.dtype)
+    return as_rows(residual), new_res.view(-1, shape[-1]), new_res
 
 
 def check_device(*tensors: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._triton_utils import as_rows, cdiv, check_device, row_tile, warps_for
+from ._triton_utils import as_rows, cdiv, check_device, residual_rows, row_tile, warps_for
 
 __all__ = ["layer_norm", "layer_norm_ref"]
 
@@ -78,14 +78,7 @@ def layer_norm(x, weight, bias, eps: float = 1e-5, residual=None):
     b = bias.contiguous()
     out = torch.empty(shape, device=x.device, dtype=x.dtype)
     out2 = out.view(-1, n)
-    if residual is not None:
-        if residual.shape != shape or residual.dtype != x.dtype:
-            raise ValueError("residual must have x's shape and dtype")
-        r2 = as_rows(residual)
-        new_res = torch.empty(shape, device=x.device, dtype=x.dtype)
-        ro2 = new_res.view(-1, n)
-    else:
-        r2, ro2, new_res = x2, x2, None
+    r2, ro2, new_res = residual_rows(x2, residual, shape)
     if m > 0:
         bm, bn = row_tile(n)
         _layernorm_kernel[(cdiv(m, bm),)](

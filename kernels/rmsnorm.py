@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import as_rows, cdiv, check_device, pdl_begin, pdl_launch, pdl_wait, row_tile, warps_for
+from ._triton_utils import (as_rows, cdiv, check_device, pdl_begin, pdl_launch, pdl_wait, residual_rows, row_tile,
+                            warps_for)
 
 __all__ = ["rms_norm", "rms_norm_ref"]
 
@@ -82,14 +83,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, residual:
     w = weight if weight.stride(0) == 1 else weight.contiguous()
     out = torch.empty(shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
     out2 = out.view(-1, n)
-    if residual is not None:
-        if residual.shape != shape or residual.dtype != x.dtype:
-            raise ValueError("residual must have x's shape and dtype")
-        r2 = as_rows(residual)
-        new_res = torch.empty(shape, device=x.device, dtype=x.dtype)
-        ro2 = new_res.view(-1, n)
-    else:
-        r2, ro2, new_res = x2, x2, None
+    r2, ro2, new_res = residual_rows(x2, residual, shape)
     if m > 0:
         bm, bn = row_tile(n)
         _rmsnorm_kernel[(cdiv(m, bm),)](

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from graph_timing import graph_call_us  # noqa: E402  (scripts/graph_timing.py)
 from kernels.activations import gelu_bias, gelu_bias_ref, swiglu, swiglu_ref  # noqa: E402
 from kernels.decode_attention import choose_num_splits, decode_attention, decode_attention_ref  # noqa: E402
 from kernels.kv_append import kv_append, kv_append_ref  # noqa: E402
@@ -45,29 +46,7 @@ def med_us(fn, warmup=10, rep=40):
 
 
 def graph_us(fn, n=100, replays=10):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / n)
-    del g
-    times.sort()
-    return times[len(times) // 2]
+    return graph_call_us([fn], repeats=n, replays=replays, warmup_passes=3)
 
 
 _COMPILED = {}

@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from graph_timing import graph_call_us  # noqa: E402  (scripts/graph_timing.py)
 from kernels import skinny_gemm as sg  # noqa: E402
 from kernels.skinny_gemm import SkinnyConfig  # noqa: E402
 
@@ -110,33 +111,7 @@ def weights(n: int, k: int, min_bytes: int = ROTATE_BYTES) -> list[torch.Tensor]
 
 def graph_us(calls: list, min_calls: int = 64, replays: int = 9) -> float:
     """us per call: the list of closures (one pass over the weight copies) repeated into one graph."""
-    reps = max(1, math.ceil(min_calls / len(calls)))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for fn in calls:
-                fn()
-    for _ in range(2):
-        g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / (reps * len(calls)))
-    del g
-    ts.sort()
-    return ts[len(ts) // 2]
+    return graph_call_us(calls, repeats=max(1, math.ceil(min_calls / len(calls))), replays=replays)
 
 
 def copy_peak_gbps() -> float:

@@ -5,7 +5,7 @@
 #   bash scripts/device_issue5.sh final   GPU tests of the last change + the full benchmark.sh (~9.5 min)
 #   bash scripts/device_issue5.sh tests   GPU tests of the engine, Triton path, skinny GEMM, frontend (~3 min)
 #   bash scripts/device_skinny_gemm.sh    (separate call) sweep + tune the decode GEMV (~8 min)
-#   bash scripts/device_issue5.sh bench   benchmark.sh, default paths, then the opt-in paths (~? min)
+#   bash scripts/device_issue5.sh bench   the whole benchmark.sh with --compiled-peer (~5-8 min)
 set -uo pipefail
 source scripts/device_env.sh
 mode=${1:-tests}
@@ -41,9 +41,9 @@ elif [ "$mode" = final ]; then
     timeout $(( 575 - ($(date +%s) - t0) )) bash benchmark.sh --out "$OUT/bench" 2>&1 | tee "$OUT/bench_full.log" \
       | grep -v '^ \|^{$\|^}$' | tail -45
 elif [ "$mode" = bench ]; then
-    timeout 420 bash benchmark.sh --out "$OUT/default" 2>&1 | tee "$OUT/bench_default.log" | tail -40
-    GLMASR_ENCODER_GRAPHS=1 GLMASR_PREFILL_GRAPHS=1 GLMASR_DECODE_GEMM=skinny timeout 150 \
-      bash benchmark.sh --only latency,decode,encoder --no-peers --out "$OUT/optin" 2>&1 | tee "$OUT/bench_optin.log" | tail -30
+    # the whole benchmark in one call, with the compiled transformers peer (not yet run on the H200)
+    timeout 570 bash benchmark.sh --compiled-peer --out "$OUT/bench" 2>&1 | tee "$OUT/bench_full.log" \
+      | grep -v '^ \|^{$\|^}$\|^W1' | tail -45
 else
-    echo "unknown mode $mode (tests | bench)"; exit 2
+    echo "unknown mode $mode (tests+sweep | check | final | tests | bench)"; exit 2
 fi

@@ -11,8 +11,10 @@ Same interface as ``GlmAsrModel`` (``encode_audio``, ``embed_prompt``, ``embed_t
 - Kernels: LayerNorm / RMSNorm fused with the residual add (``kernels.layernorm``, ``kernels.rmsnorm``), RoPE
   on q and k in one launch, for the decoder fused with the KV-cache append (``kernels.rope``), decode attention
   straight from the KV buffer with per-sequence lengths (``kernels.decode_attention``), SwiGLU over the merged
-  gate|up output and exact GELU with the GEMM's bias (``kernels.activations``). GEMMs are cuBLAS
-  (``F.linear``); encoder and prefill attention use torch SDPA (flash / cuDNN backends).
+  gate|up output and exact GELU with the GEMM's bias (``kernels.activations``). Decode-step GEMMs (one token
+  per sequence, M <= 16) run on ``kernels.skinny_gemm`` (gate|up fused with SwiGLU), other GEMMs on cuBLAS
+  (``F.linear``); encoder attention is torch SDPA with cuDNN's kernel first, prefill attention torch SDPA.
+- Encoder CUDA graphs per power-of-two window count (``encode_audio`` splits W into such chunks).
 
 Contract of ``decode``: either a prefill from slot 0 (``positions`` = 0..T-1 for every row, ``kv_len == T``)
 or one token per sequence (T == 1) at per-sequence positions.
