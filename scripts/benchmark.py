@@ -298,7 +298,7 @@ def section_breakdown(asr, peaks):
     saved_preload = skinny_gemm.PRELOAD_TILES
     try:
         for label, pdl, gemm, preload in (("default", None, saved_gemm, saved_preload),
-                                          ("GEMV preloads 1 tile", None, saved_gemm, 1),
+                                          ("GEMV preloads 2 tiles", None, saved_gemm, 2),
                                           ("no PDL", False, saved_gemm, saved_preload),
                                           ("cuBLAS GEMMs, no PDL", False, "cublas", saved_preload)):
             _triton_utils.set_pdl(pdl)
