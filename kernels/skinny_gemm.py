@@ -71,10 +71,12 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 1
     use_dot: bool = False
+    # K tiles loaded before the PDL wait (1 or 2); None: PRELOAD_TILES on the FMA path, 1 on the dot path
+    preload: int | None = None
 
     def short(self) -> str:
         return (f"{'dot' if self.use_dot else 'fma'} BN{self.block_n} BK{self.block_k} S{self.split_k} "
-                f"w{self.num_warps} st{self.num_stages}")
+                f"w{self.num_warps} st{self.num_stages}" + (f" pre{self.preload}" if self.preload else ""))
 
 
 # ------------------------------------------------------------------------------------------------ references
@@ -380,6 +382,14 @@ _WS: dict[tuple[str, int | None], list[torch.Tensor]] = {}
 PRELOAD_TILES = 1
 
 
+def _preload(cfg: SkinnyConfig) -> int:
+    if cfg.preload is not None:
+        if cfg.preload not in (1, 2):
+            raise ValueError(f"SkinnyConfig.preload must be 1 or 2, got {cfg.preload}")
+        return cfg.preload
+    return 1 if cfg.use_dot else PRELOAD_TILES
+
+
 def _workspace(device: torch.device, numel: int) -> torch.Tensor:
     key = (device.type, device.index)
     bufs = _WS.setdefault(key, [])
@@ -453,7 +463,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, ITERS=iters, EVEN_N=even_n, EVEN_K=even_k,
         USE_DOT=cfg.use_dot, SWIGLU=swiglu, UPCAST=interp, NUM_STAGES=cfg.num_stages, STATIC=interp,
         # fp32 I/O: true fp32 products (tl.dot's default for fp32 is TF32, ~1e-3 relative)
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", PRELOAD=min(1 if cfg.use_dot else PRELOAD_TILES, iters),
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", PRELOAD=min(_preload(cfg), iters),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     if split > 1:
         block = 1024 if m * n >= 1024 else max(16, next_pow2(m * n))

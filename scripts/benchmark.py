@@ -202,6 +202,8 @@ def section_throughput(asr, peers, quick):
         rows.append({"impl": f"ours, {slots} slots", "windows": n_windows, "wall_s": t / 1e3,
                      "RTFx": 30.0 * n_windows / (t / 1e3)})
         print(rows[-1], flush=True)
+    rows[-1]["stages"] = throughput_stages(asr, audios, new_tokens, slots)
+    print({"stages": rows[-1]["stages"]}, flush=True)
     if peers is not None:
         # transformers eager at batch 16 on 32 windows (a rate: RTFx does not depend on the count)
         sub = audios[:32]
@@ -211,6 +213,46 @@ def section_throughput(asr, peers, quick):
                      "RTFx": 30.0 * len(sub) / (t / 1e3)})
         print(rows[-1], flush=True)
     return rows
+
+
+def throughput_stages(asr, audios, new_tokens, slots) -> dict:
+    """One more run of the throughput workload with CUDA events around the engine's prefills and decode rounds:
+    host stages from ``timings_ms`` (audio, features, encoder until the prompts are ready), then the engine's
+    GPU time in prefill and decode; what the engine's wall time has beyond those is host time the GPU waited."""
+    engine = asr._engine
+    spans = {"prefill": [], "decode": []}
+
+    def timed(kind, fn):
+        def wrapper(*a, **k):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*a, **k)
+            end.record()
+            spans[kind].append((start, end))
+        return wrapper
+
+    if DEV == "cuda":
+        engine._prefill = timed("prefill", engine._prefill)
+        engine._run_steps = timed("decode", engine._run_steps)
+    try:
+        sync()
+        t0 = time.perf_counter()
+        res = glmasr.transcribe(audios, model=asr, sampling_rate=16000, max_new_tokens=new_tokens, ignore_eos=True,
+                                max_batch=slots)
+        sync()
+        wall_ms = 1e3 * (time.perf_counter() - t0)
+    finally:
+        for name in ("_prefill", "_run_steps"):
+            engine.__dict__.pop(name, None)
+    t = res[-1].timings_ms
+    out = {k: t[k] for k in ("audio_ms", "features_ms", "encoder_ms")}
+    out["engine_wall_ms"] = max(r.timings_ms["decoder_ms"] for r in res)
+    for kind, pairs in spans.items():
+        out[f"{kind}_gpu_ms"] = sum(a.elapsed_time(b) for a, b in pairs)
+        out[f"{kind}_calls"] = len(pairs)
+    out["engine_other_ms"] = out["engine_wall_ms"] - out["prefill_gpu_ms"] - out["decode_gpu_ms"]
+    out["wall_ms"] = wall_ms
+    return out
 
 
 # Kernel-name patterns -> stage, for the profiler breakdowns (first match wins; names of our Triton kernels,
@@ -291,26 +333,41 @@ def section_breakdown(asr, peaks):
 
         return (sync_time(run, 0, 1) if SMOKE else sync_time(run, 2, 10)) / steps, run
 
+    from dataclasses import replace
+
     from kernels import skinny_gemm
 
+    # M = 1 configs of the attention GEMVs (qkv 3072 x 2048, o 2048 x 2048: 2 K tiles each, few programs per
+    # SM) with both tiles loaded before the PDL wait; the global 2-tile switch also changes the big matrices
+    small_keys = [key for key in ((3072, 2048, 1, False), (2048, 2048, 1, False))
+                  if skinny_gemm.CONFIGS.get(key) is not None]
+    preload_small = {key: replace(skinny_gemm.CONFIGS[key], preload=2) for key in small_keys}
     variants = {}
     saved_gemm = getattr(model, "decode_gemm", None)
     saved_preload = skinny_gemm.PRELOAD_TILES
+    saved_configs = dict(skinny_gemm.CONFIGS)
     try:
-        for label, pdl, gemm, preload in (("default", None, saved_gemm, saved_preload),
-                                          ("GEMV preloads 2 tiles", None, saved_gemm, 2),
-                                          ("no PDL", False, saved_gemm, saved_preload),
-                                          ("cuBLAS GEMMs, no PDL", False, "cublas", saved_preload)):
+        for label, pdl, gemm, preload, configs in (
+                ("default", None, saved_gemm, saved_preload, {}),
+                ("GEMV preloads 2 tiles", None, saved_gemm, 2, {}),
+                ("qkv and o GEMVs preload 2 tiles", None, saved_gemm, saved_preload, preload_small),
+                ("no PDL", False, saved_gemm, saved_preload, {}),
+                ("cuBLAS GEMMs, no PDL", False, "cublas", saved_preload, {})):
             _triton_utils.set_pdl(pdl)
             skinny_gemm.PRELOAD_TILES = preload
+            skinny_gemm.CONFIGS.update(configs)
             if saved_gemm is not None:
                 model.decode_gemm = gemm
             engine = Engine(model, max_batch=1, capacity=1024 if SMOKE else 4096)
             variants[label], _ = step_ms(engine)
             del engine
+            skinny_gemm.CONFIGS.clear()
+            skinny_gemm.CONFIGS.update(saved_configs)
     finally:
         _triton_utils.set_pdl(None)
         skinny_gemm.PRELOAD_TILES = saved_preload
+        skinny_gemm.CONFIGS.clear()
+        skinny_gemm.CONFIGS.update(saved_configs)
         if saved_gemm is not None:
             model.decode_gemm = saved_gemm
     report["decode_step_graph_ms"] = variants

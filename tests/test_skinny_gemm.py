@@ -78,6 +78,9 @@ SMALL_CFGS = [
     SkinnyConfig(block_n=8, block_k=32, split_k=3),
     SkinnyConfig(block_n=16, block_k=32, split_k=1, use_dot=True),
     SkinnyConfig(block_n=32, block_k=32, split_k=3, use_dot=True),
+    # two K tiles loaded before the PDL wait (the peeled second tile; K=96 at BK 32 has 3 tiles, K=200 has 7)
+    SkinnyConfig(block_n=4, block_k=32, preload=2),
+    SkinnyConfig(block_n=16, block_k=32, split_k=2, use_dot=True, preload=2),
 ]
 SMALL_SHAPES = [(200, 96), (37, 96), (37, 200)]
 
@@ -163,6 +166,8 @@ def test_select_and_errors():
         skinny_gemm(gen(2, 32), gen(32, 16).t())  # K stride != 1: never copy a weight
     with pytest.raises(ValueError):
         skinny_gemm_swiglu(gen(2, 32), gen(15, 32))
+    with pytest.raises(ValueError, match="preload"):
+        skinny_gemm(gen(2, 32), gen(16, 32), config=SkinnyConfig(8, 32, preload=3))
 
 
 def test_dispatchers():

@@ -123,7 +123,7 @@ class Engine:
         model = self.model
         hidden = model.decode(model.embed_tokens(self.tokens[:b])[:, None], self.positions[:b, None], self.cache,
                               kv_len=kv_len)
-        logits = model.logits(hidden[:, 0])
+        logits = model.logits(hidden[:, 0], upcast=not self.fused_commit)
         if self.fused_commit:
             from kernels.greedy_commit import greedy_commit
 
@@ -239,7 +239,11 @@ class Engine:
     # ---- the loop ----
     def run(self, requests: list[GenerationRequest] | Iterator[GenerationRequest], ignore_eos: bool = False
             ) -> Iterator[TokenEvent]:
-        """Decode every request greedily; yields ``TokenEvent``s as tokens become known (every few steps)."""
+        """Decode every request greedily; yields ``TokenEvent``s as tokens become known (every few steps).
+
+        Rounds are pipelined: after a round's read-back the next round (refills, prefill, decode steps) is put
+        on the GPU *before* the round's events are yielded, so the consumer's work (detokenizing, streaming)
+        overlaps the GPU instead of leaving it idle."""
         queue = list(requests)
         for i, r in enumerate(queue):
             need = r.prompt_embeds.shape[0] + r.max_new_tokens
@@ -248,70 +252,13 @@ class Engine:
             if need > self.capacity:
                 raise ValueError(f"request {i} needs {need} positions (prompt + max_new_tokens), more than the "
                                  f"engine's capacity {self.capacity}")
-        slot_owner: list[int | None] = [None] * self.max_batch
-        # host mirror: upper bound of each slot's position, and tokens still allowed
-        host_pos = [0] * self.max_batch
-        host_left = [0] * self.max_batch
-        next_request = 0
+        rounds = _Rounds(self, queue, ignore_eos)
         with torch.inference_mode():
-            while next_request < len(queue) or any(o is not None for o in slot_owner):
-                # admit
-                free = [s for s in range(self.max_batch) if slot_owner[s] is None]
-                admit_slots, admit_reqs, tokens = [], [], 0
-                while free and next_request < len(queue):
-                    r = queue[next_request]
-                    if admit_reqs and tokens + r.prompt_embeds.shape[0] > self.max_prefill_tokens:
-                        break
-                    s = free.pop(0)
-                    admit_slots.append(s)
-                    admit_reqs.append(r)
-                    tokens += r.prompt_embeds.shape[0]
-                    slot_owner[s] = next_request
-                    host_pos[s] = r.prompt_embeds.shape[0] - 1
-                    host_left[s] = r.max_new_tokens
-                    next_request += 1
-                self.step_index.zero_()
-                self.out.fill_(-1)
-                steps = 0
-                if admit_reqs:
-                    self._prefill(admit_slots, admit_reqs, ignore_eos)
-                    steps = 1
-                    for s in admit_slots:
-                        host_pos[s] += 1
-                        host_left[s] -= 1
-                busy = [s for s in range(self.max_batch) if slot_owner[s] is not None and host_left[s] > 0]
-                if busy:
-                    # decode until the next read-back: at most sync_every in total, never past every budget
-                    n = min(self.sync_every - steps, max(host_left[s] for s in busy))
-                    if n > 0:
-                        b = _bucket(max(busy) + 1, self.buckets)
-                        kv_len = min(self.capacity, _bucket_kv(max(host_pos[s] for s in busy) + n + 1,
-                                                               self.capacity))
-                        self._run_steps(b, kv_len, n)
-                        for s in busy:
-                            host_pos[s] += n
-                            host_left[s] -= n
-                        steps += n
-                # read back (the one host sync of this round)
-                state = torch.cat([self.out[:, :steps], self.status[:, None], self.stop_token[:, None]], 1).tolist()
-                out = [row[:steps] for row in state]
-                status = [row[steps] for row in state]
-                stop_tokens = [row[steps + 1] for row in state]
-                for s in range(self.max_batch):
-                    owner = slot_owner[s]
-                    if owner is None:
-                        continue
-                    new = [t for t in out[s] if t >= 0]
-                    finished = status[s] != RUNNING
-                    reason = None
-                    stop_token = None
-                    if finished:
-                        reason = "stop" if status[s] == STOPPED else "length"
-                        if reason == "stop":
-                            stop_token = stop_tokens[s]
-                        slot_owner[s] = None
-                    if new or finished:
-                        yield TokenEvent(owner, new, reason, stop_token)
+            steps = rounds.launch()
+            while steps:
+                events = rounds.collect(steps)  # the one host sync of the round
+                steps = rounds.launch()  # the GPU works on the next round ...
+                yield from events  # ... while the consumer handles this one
 
     def generate(self, requests: list[GenerationRequest], ignore_eos: bool = False) -> list[GenerationResult]:
         """All results at once (``run`` yields them as they come)."""
@@ -322,6 +269,84 @@ class Engine:
             if ev.finish_reason is not None:
                 results[ev.request] = GenerationResult(tokens[ev.request], ev.finish_reason, ev.stop_token_id)
         return [results[i] for i in range(len(requests))]
+
+
+class _Rounds:
+    """Host side of ``Engine.run``: which request owns which slot, and a mirror of each slot's position bound
+    and remaining budget (so the host knows, without reading the GPU, how many steps a round may take)."""
+
+    def __init__(self, engine: Engine, queue: list[GenerationRequest], ignore_eos: bool):
+        self.engine, self.queue, self.ignore_eos = engine, queue, ignore_eos
+        n = engine.max_batch
+        self.owner: list[int | None] = [None] * n
+        self.host_pos = [0] * n
+        self.host_left = [0] * n
+        self.next_request = 0
+
+    def launch(self) -> int:
+        """Admit queued requests into free slots (batched prefill) and decode up to ``sync_every`` steps, all
+        enqueued on the GPU without waiting for it; returns the number of steps put in the output buffer
+        (0: nothing left to do)."""
+        eng, queue, owner = self.engine, self.queue, self.owner
+        free = [s for s in range(eng.max_batch) if owner[s] is None]
+        admit_slots, admit_reqs, tokens = [], [], 0
+        while free and self.next_request < len(queue):
+            r = queue[self.next_request]
+            if admit_reqs and tokens + r.prompt_embeds.shape[0] > eng.max_prefill_tokens:
+                break
+            s = free.pop(0)
+            admit_slots.append(s)
+            admit_reqs.append(r)
+            tokens += r.prompt_embeds.shape[0]
+            owner[s] = self.next_request
+            self.host_pos[s] = r.prompt_embeds.shape[0] - 1
+            self.host_left[s] = r.max_new_tokens
+            self.next_request += 1
+        if not admit_reqs and all(o is None for o in owner):
+            return 0
+        eng.step_index.zero_()
+        eng.out.fill_(-1)
+        steps = 0
+        if admit_reqs:
+            eng._prefill(admit_slots, admit_reqs, self.ignore_eos)
+            steps = 1
+            for s in admit_slots:
+                self.host_pos[s] += 1
+                self.host_left[s] -= 1
+        busy = [s for s in range(eng.max_batch) if owner[s] is not None and self.host_left[s] > 0]
+        if busy:
+            # decode until the next read-back: at most sync_every in total, never past every budget
+            n = min(eng.sync_every - steps, max(self.host_left[s] for s in busy))
+            if n > 0:
+                b = _bucket(max(busy) + 1, eng.buckets)
+                kv_len = min(eng.capacity, _bucket_kv(max(self.host_pos[s] for s in busy) + n + 1, eng.capacity))
+                eng._run_steps(b, kv_len, n)
+                for s in busy:
+                    self.host_pos[s] += n
+                    self.host_left[s] -= n
+                steps += n
+        return steps
+
+    def collect(self, steps: int) -> list[TokenEvent]:
+        """Read the round's tokens and every slot's status back (one sync), free the finished slots and return
+        the round's events."""
+        eng = self.engine
+        state = torch.cat([eng.out[:, :steps], eng.status[:, None], eng.stop_token[:, None]], 1).tolist()
+        events = []
+        for s, row in enumerate(state):
+            owner = self.owner[s]
+            if owner is None:
+                continue
+            new = [t for t in row[:steps] if t >= 0]
+            status, reason, stop_token = row[steps], None, None
+            if status != RUNNING:
+                reason = "stop" if status == STOPPED else "length"
+                if reason == "stop":
+                    stop_token = row[steps + 1]
+                self.owner[s] = None
+            if new or reason is not None:
+                events.append(TokenEvent(owner, new, reason, stop_token))
+        return events
 
 
 def _bucket_kv(n: int, capacity: int) -> int:

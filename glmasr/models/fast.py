@@ -1,6 +1,6 @@
 """GPU model path: the GLM-ASR forward pass on our Triton kernels over a fused weight cache.
 
-Same interface as ``GlmAsrModel`` (``encode_audio``, ``embed_prompt``, ``embed_tokens``, ``decode``,
+Same interface as ``GlmAsrModel`` (``encode_audio``, ``embed_tokens``, ``decode``,
 ``logits``), so the engine loop runs either. Built once at load from a loaded reference model:
 
 - Weight cache: per decoder layer one fused ``[q; k; v]`` matrix (3072 x 2048) and one fused ``[gate; up]``
@@ -230,9 +230,6 @@ class FastGlmAsrModel:
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embedding)
 
-    def embed_prompt(self, input_ids: torch.Tensor, audio_rows: torch.Tensor) -> torch.Tensor:
-        return self.reference.embed_prompt(input_ids, audio_rows)
-
     def decode(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
                rows: torch.Tensor | None = None) -> torch.Tensor:
         """Decoder over embeddings (B, T, hidden) at positions (B, T), sequence b in cache row ``rows[b]``
@@ -275,6 +272,9 @@ class FastGlmAsrModel:
             return skinny_gemm.linear, skinny_gemm.linear_swiglu
         return F.linear, lambda x, w: swiglu(F.linear(x, w))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """lm head; fp32 unless ``upcast=False`` (the model dtype: the engine's greedy_commit reads it as is,
+        and argmax commutes with the exact bf16 -> fp32 cast, so the cast kernel per step is saved)."""
         linear, _ = self._decode_linears(prefill=hidden.dim() > 2 and hidden.shape[-2] > 1)
-        return linear(hidden, self.lm_head).float()
+        y = linear(hidden, self.lm_head)
+        return y.float() if upcast else y

@@ -41,23 +41,12 @@ class GlmAsrModel(nn.Module):
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_tokens(ids)
 
-    def embed_prompt(self, input_ids: torch.Tensor, audio_rows: torch.Tensor) -> torch.Tensor:
-        """Token embeddings (L, hidden) of one prompt with its audio placeholders replaced, in order,
-        by ``audio_rows`` (N, hidden)."""
-        embeds = self.language_model.embed_tokens(input_ids)
-        slots = input_ids == self.cfg.audio_token_id
-        n_slots = int(slots.sum())
-        if n_slots != audio_rows.shape[0]:
-            raise ValueError(f"prompt has {n_slots} audio placeholder tokens but the audio gives "
-                             f"{audio_rows.shape[0]} embeddings")
-        embeds[slots] = audio_rows.to(embeds.dtype)
-        return embeds
-
     def decode(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
                rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run the decoder on embeddings at positions (sequence b in cache row ``rows[b]``, default b);
         returns final-normed hidden states."""
         return self.language_model(embeds, positions, cache, kv_len, rows)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        y = self.lm_head(hidden)
+        return y.float() if upcast else y
