@@ -21,7 +21,7 @@ import torch
 
 from .audio import Audio, AudioError, load_audio, split_windows
 from .config import GlmAsrConfig
-from .engine.engine import Engine
+from .engine.engine import Engine, host_to_device
 from .engine.generate import GenerationRequest
 from .engine.kv_cache import KVCache
 from .features import (SAMPLE_RATE, frames_to_audio_tokens, min_samples_for_one_token, num_valid_frames,
@@ -199,7 +199,18 @@ class _Prepared:
     groups: list[_Group]
     requests: list[GenerationRequest]
     windows_per_item: list[int]
-    timings_ms: dict
+    timings_ms: dict  # audio_ms, features_ms (host); encoder_ms once known (``stage_timings``)
+    encoder_events: tuple | None = None  # CUDA events around features + encoder + prompt embeddings
+
+    def stage_timings(self, total_ms: float) -> dict:
+        """audio, features (host), encoder (GPU span of frontend + encoder + projector + prompt embeddings, from
+        CUDA events on the GPU path), decoder (the rest of ``total_ms``: prefill, decode, host)."""
+        t = dict(self.timings_ms)
+        if self.encoder_events is not None:  # complete by now: the engine has read tokens back after them
+            t["encoder_ms"] = self.encoder_events[0].elapsed_time(self.encoder_events[1])
+        t["decoder_ms"] = total_ms - t["audio_ms"] - t["features_ms"] - t["encoder_ms"]
+        t["total_ms"] = total_ms
+        return t
 
 
 def _prepare(asr: GlmAsr, items: list, prompt: str | None, max_new_tokens: int | None,
@@ -235,7 +246,12 @@ def _prepare(asr: GlmAsr, items: list, prompt: str | None, max_new_tokens: int |
     # Features + encoder chunk by chunk, all enqueued without a host sync: the host packs chunk i+1 while the
     # GPU encodes chunk i (packing 32 windows is a few ms of host copies, encoding them ~150 ms on the H200).
     features_s = 0.0
+    cuda = asr.device.type == "cuda"
+    events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+    t_enc0 = time.perf_counter()
     with torch.inference_mode():
+        if cuda:
+            events[0].record()
         encoded = []
         for i in range(0, len(needed), ENCODER_BATCH):
             tf = time.perf_counter()
@@ -244,22 +260,14 @@ def _prepare(asr: GlmAsr, items: list, prompt: str | None, max_new_tokens: int |
             encoded.append(asr.model.encode_audio(feats))
         embeds = encoded[0] if len(encoded) == 1 else torch.cat(encoded)
         requests = _prompt_requests(asr, groups, embeds, needed, tokens_of, prompt)
-    if asr.device.type == "cuda":
-        torch.cuda.synchronize(asr.device)
-    t_enc = time.perf_counter()
-    # features_ms: host time of packing + launching the frontend; encoder_ms: the rest until the prompts are
-    # ready on the GPU (encoder, projector, prompt embeddings; the frontend's GPU time, ~0.02 ms a window).
-    timings = {"audio_ms": 1e3 * (t_audio - t0), "features_ms": 1e3 * features_s,
-               "encoder_ms": 1e3 * (t_enc - t_audio - features_s)}
-    return _Prepared(audios, groups, requests, windows_per_item, timings)
-
-
-def _host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 list -> tensor on ``device``; on CUDA through pinned memory, so the copy does not sync the host."""
-    t = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+        if cuda:
+            events[1].record()  # no sync: the engine's prefill is enqueued behind the encoder
+    # features_ms: host time of packing + launching the frontend; encoder_ms: on CUDA the GPU span from the
+    # frontend to the prompt embeddings (CUDA events, read once the tokens are back), on the CPU the wall time.
+    timings = {"audio_ms": 1e3 * (t_audio - t0), "features_ms": 1e3 * features_s}
+    if not cuda:
+        timings["encoder_ms"] = 1e3 * (time.perf_counter() - t_enc0 - features_s)
+    return _Prepared(audios, groups, requests, windows_per_item, timings, events)
 
 
 def _prompt_requests(asr: GlmAsr, groups: list[_Group], embeds: torch.Tensor, needed: list[int],
@@ -284,9 +292,9 @@ def _prompt_requests(asr: GlmAsr, groups: list[_Group], embeds: torch.Tensor, ne
     if len(dst) != len(src):  # encode() already guarantees it; a mismatch here would be silent corruption
         raise RuntimeError(f"{len(dst)} audio placeholders in the prompts but {len(src)} audio rows")
     dev = asr.device
-    flat = asr.model.embed_tokens(_host_to_device(ids, dev))
-    audio = embeds.reshape(-1, embeds.shape[-1]).index_select(0, _host_to_device(src, dev))
-    flat.index_copy_(0, _host_to_device(dst, dev), audio.to(flat.dtype))
+    flat = asr.model.embed_tokens(host_to_device(ids, dev))
+    audio = embeds.reshape(-1, embeds.shape[-1]).index_select(0, host_to_device(src, dev))
+    flat.index_copy_(0, host_to_device(dst, dev), audio.to(flat.dtype))
     return [GenerationRequest(flat[b: b + n], g.max_new_tokens) for (b, n), g in zip(spans, groups)]
 
 
@@ -305,7 +313,7 @@ def _features(pieces: list[np.ndarray], asr: GlmAsr) -> torch.Tensor:
         for i, p in enumerate(pieces):
             rows[i, : lengths[i]] = p
         pcm = host.to(asr.device, non_blocking=True)
-        return fused_whisper_features(pcm, _host_to_device(lengths, asr.device), n_mels)[0]
+        return fused_whisper_features(pcm, host_to_device(lengths, asr.device), n_mels)[0]
     return whisper_features(pieces, n_mels, device=asr.device)[0]
 
 
@@ -354,7 +362,6 @@ def _engine_for(asr: GlmAsr, requests: list[GenerationRequest], max_batch: int |
 def _stream(asr: GlmAsr, items: list, prompt, max_new_tokens, sampling_rate, ignore_eos, max_batch, t0
             ) -> Iterator[TranscriptDelta]:
     prep = _prepare(asr, items, prompt, max_new_tokens, sampling_rate)
-    t_dec0 = time.perf_counter()
     engine = _engine_for(asr, prep.requests, max_batch)
     groups_of = [[gi for gi, g in enumerate(prep.groups) if g.item == idx] for idx in range(len(prep.audios))]
     tokens = [[] for _ in prep.groups]
@@ -391,8 +398,7 @@ def _stream(asr: GlmAsr, items: list, prompt, max_new_tokens, sampling_rate, ign
             done[idx] = True
             mine = groups_of[idx]
             a = prep.audios[idx]
-            timings = dict(prep.timings_ms, decoder_ms=1e3 * (time.perf_counter() - t_dec0),
-                           total_ms=1e3 * (time.perf_counter() - t0))
+            timings = prep.stage_timings(1e3 * (time.perf_counter() - t0))
             result = Transcription(
                 text=text, token_ids=[t for gi in mine for t in tokens[gi]],
                 finish_reason="length" if any(finish[gi] == "length" for gi in mine) else "stop",

@@ -41,6 +41,15 @@ class TokenEvent:
     stop_token_id: int | None = None
 
 
+def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 list -> tensor on ``device``; on CUDA through pinned memory, so the copy does not sync the host
+    (``torch.tensor(values, device="cuda")`` waits for the GPU to drain)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _bucket(n: int, buckets) -> int:
     for b in buckets:
         if b >= n:
@@ -177,8 +186,8 @@ class Engine:
         embeds = torch.zeros(len(requests), longest, hidden_size, device=dev, dtype=self.model.dtype)
         for i, r in enumerate(requests):
             embeds[i, : lengths[i]] = r.prompt_embeds
-        rows = torch.tensor(slots, device=dev)
-        lengths_t = torch.tensor(lengths, device=dev)
+        rows = host_to_device(slots, dev)
+        lengths_t = host_to_device(lengths, dev)
         bucket = _bucket(longest, PREFILL_BUCKETS)
         if self.prefill_graphs and len(requests) == 1 and longest <= bucket <= self.capacity:
             first = self._graphed_prefill(bucket, embeds[0], lengths[0], slots[0])
@@ -193,7 +202,7 @@ class Engine:
         mask = torch.zeros(b, dtype=torch.bool, device=dev)
         mask[rows] = True
         self.positions[rows] = lengths_t - 1  # commit moves it to the first generated token's slot
-        self.remaining[rows] = torch.tensor([r.max_new_tokens for r in requests], device=dev)
+        self.remaining[rows] = host_to_device([r.max_new_tokens for r in requests], dev)
         self.ignore_eos[rows] = ignore_eos
         self.status[rows] = RUNNING
         self.stop_token[rows] = -1
