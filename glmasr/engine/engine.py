@@ -179,19 +179,22 @@ class Engine:
     # ---- prefill ----
     @torch.inference_mode()
     def _prefill(self, slots: list[int], requests: list[GenerationRequest], ignore_eos: bool) -> None:
+        # Nothing here waits for the GPU (index lists go through pinned memory, scalars through index_fill_;
+        # ``t[idx] = python_scalar`` would copy the scalar to the GPU synchronously), so on the latency path the
+        # prefill and the first decode round are enqueued while the encoder still runs.
         dev = self.device
         lengths = [int(r.prompt_embeds.shape[0]) for r in requests]
         longest = max(lengths)
-        hidden_size = requests[0].prompt_embeds.shape[1]
-        embeds = torch.zeros(len(requests), longest, hidden_size, device=dev, dtype=self.model.dtype)
-        for i, r in enumerate(requests):
-            embeds[i, : lengths[i]] = r.prompt_embeds
         rows = host_to_device(slots, dev)
         lengths_t = host_to_device(lengths, dev)
         bucket = _bucket(longest, PREFILL_BUCKETS)
         if self.prefill_graphs and len(requests) == 1 and longest <= bucket <= self.capacity:
-            first = self._graphed_prefill(bucket, embeds[0], lengths[0], slots[0])
+            first = self._graphed_prefill(bucket, requests[0].prompt_embeds, lengths[0], slots[0])
         else:
+            hidden_size = requests[0].prompt_embeds.shape[1]
+            embeds = torch.zeros(len(requests), longest, hidden_size, device=dev, dtype=self.model.dtype)
+            for i, r in enumerate(requests):
+                embeds[i, : lengths[i]] = r.prompt_embeds
             positions = torch.arange(longest, device=dev).expand(len(requests), longest)
             hidden = self.model.decode(embeds, positions, self.cache, kv_len=longest, rows=rows)
             first = self.model.logits(hidden[torch.arange(len(requests), device=dev), lengths_t - 1]).argmax(-1)
@@ -199,13 +202,12 @@ class Engine:
         b = max(slots) + 1
         next_tokens = torch.zeros(b, dtype=torch.long, device=dev)
         next_tokens[rows] = first
-        mask = torch.zeros(b, dtype=torch.bool, device=dev)
-        mask[rows] = True
+        mask = torch.zeros(b, dtype=torch.bool, device=dev).index_fill_(0, rows, True)
         self.positions[rows] = lengths_t - 1  # commit moves it to the first generated token's slot
         self.remaining[rows] = host_to_device([r.max_new_tokens for r in requests], dev)
-        self.ignore_eos[rows] = ignore_eos
-        self.status[rows] = RUNNING
-        self.stop_token[rows] = -1
+        self.ignore_eos.index_fill_(0, rows, ignore_eos)
+        self.status.index_fill_(0, rows, RUNNING)
+        self.stop_token.index_fill_(0, rows, -1)
         self._commit(next_tokens, b, mask)
 
     def _graphed_prefill(self, bucket: int, embeds: torch.Tensor, length: int, slot: int) -> torch.Tensor:
@@ -238,8 +240,8 @@ class Engine:
                 run()
             entry = self._prefill_graphs[bucket] = (graph, static)
         graph, static = entry
-        static["embeds"].zero_()
         static["embeds"][0, :length] = embeds[:length]
+        static["embeds"][0, length:].zero_()
         static["last"].fill_(length - 1)
         static["row"].fill_(slot)
         graph.replay()
