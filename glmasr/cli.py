@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r.duration_s:.2f} s audio, {r.num_windows} window(s), {r.num_audio_tokens} audio tokens, "
               f"{len(r.token_ids)} text tokens, finish_reason={r.finish_reason}", file=sys.stderr)
     t = results[0].timings_ms
-    print(f"timings (ms): audio {t['audio_ms']:.1f}, features {t['features_ms']:.1f}, encoder {t['encoder_ms']:.1f}, "
-          f"decoder {t['decoder_ms']:.1f}, total {wall * 1e3:.1f}", file=sys.stderr)
+    print(f"timings (ms): audio {t['audio_ms']:.1f}, features + encoder {t['encoder_ms']:.1f} (feature packing on "
+          f"the host {t['features_ms']:.1f}), decoder {t['decoder_ms']:.1f}, total {wall * 1e3:.1f}", file=sys.stderr)
     return 0
 
 

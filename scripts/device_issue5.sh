@@ -7,6 +7,7 @@
 #   bash scripts/device_skinny_gemm.sh    (separate call) sweep + tune the decode GEMV (~8 min)
 #   bash scripts/device_issue5.sh bench   the whole benchmark.sh with --compiled-peer (~5-8 min)
 #   bash scripts/device_issue5.sh trace   engine/API GPU tests + scripts/latency_trace.py (~3 min)
+#   bash scripts/device_issue5.sh logmel  frontend GPU tests + scripts/check_stage_timings.py (~4 min)
 set -uo pipefail
 source scripts/device_env.sh
 mode=${1:-tests}
@@ -51,11 +52,16 @@ elif [ "$mode" = bench ]; then
     # the whole benchmark in one call, with the compiled transformers peer (not yet run on the H200)
     timeout 570 bash benchmark.sh --compiled-peer --out "$OUT/bench" 2>&1 | tee "$OUT/bench_full.log" \
       | grep -v '^ \|^{$\|^}$\|^W1' | tail -45
+elif [ "$mode" = logmel ]; then
+    # the frontend's GPU tests in full (eager calls bypass the custom op now) + the CUDA stage timings
+    timeout 270 python3 -m pytest -q -p no:cacheprovider tests/test_logmel_cuda.py -k "not nvrtc_compiles" \
+      --durations=5 2>&1 | tee "$OUT/pytest_logmel.log" | tail -12
+    timeout 90 python3 scripts/check_stage_timings.py 2>&1 | grep -v '^W1' | tail -4
 elif [ "$mode" = trace ]; then
     # GPU tests of the engine / API, then the batch-1 latency traced (GPU idle gaps, host profile)
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_end_to_end.py 2>&1 \
       | tee "$OUT/pytest_trace.log" | tail -4
     timeout 300 python3 scripts/latency_trace.py --out "$OUT/trace" 2>&1 | grep -v '^W1' | tail -120
 else
-    echo "unknown mode $mode (tests+sweep | check | final | tests | bench | trace)"; exit 2
+    echo "unknown mode $mode (tests+sweep | check | final | tests | bench | trace | logmel)"; exit 2
 fi

@@ -89,6 +89,16 @@ def test_stops_at_any_eos_id(eos_override):
     assert forced.finish_reason == "length" and len(forced.token_ids) == 12
 
 
+def test_stage_timings_add_up(tiny_asr):
+    """audio + encoder (features included) + decoder = total; feature packing is a part of the encoder stage."""
+    r = glmasr.transcribe(noise(3.5, seed=3), model=tiny_asr, sampling_rate=16000, max_new_tokens=4)
+    t = r.timings_ms
+    assert set(t) == {"audio_ms", "features_ms", "encoder_ms", "decoder_ms", "total_ms"}
+    assert all(v > 0 for v in t.values()), t
+    assert t["audio_ms"] + t["encoder_ms"] + t["decoder_ms"] == pytest.approx(t["total_ms"], rel=1e-9)
+    assert t["features_ms"] <= t["encoder_ms"]
+
+
 def test_default_budget_grows_with_duration(tiny_asr):
     assert default_max_new_tokens(3.5) < default_max_new_tokens(30) < default_max_new_tokens(300)
     r = glmasr.transcribe(noise(3.5, 8), model=tiny_asr, sampling_rate=16000, ignore_eos=True)
