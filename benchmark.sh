@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Latency / decode / encoder / throughput / cold-start benchmark of our engine against transformers (eager,
 # and static cache + torch.compile), all in one process on one GPU. Prints tables and writes
-# OUT/benchmark.json (OUT defaults to ./bench_out).   bash benchmark.sh [--only SECTIONS] [--quick] [--no-peers]
+# OUT/benchmark.json (OUT defaults to ./bench_out).   bash benchmark.sh [--only SECTIONS] [--quick] [--no-peers] [--no-compiled-peer]
 set -euo pipefail
 cd "$(dirname "$0")"
 # On the team's device machine the header wheels travel in .whl/ (see README, Development).

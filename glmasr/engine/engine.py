@@ -8,7 +8,8 @@
   layers, lm head, greedy argmax, and the bookkeeping (eos -> stop, budget -> length, append the token to a
   small on-device output buffer). On CUDA it is captured once per (batch bucket, KV-length bucket) and
   replayed; there is no host sync per token: the host reads the output buffer back every ``sync_every`` steps
-  (and exactly when budgets run out, which the host can predict), then refills freed slots.
+  (and exactly when budgets run out, which the host can predict), then refills freed slots. The next round is
+  enqueued before the previous round's tokens are yielded, so the consumer's work overlaps the GPU.
 - **Prefill** of newly admitted requests is one batched forward pass (right-padded, each sequence from slot 0
   of its own cache row); its argmax goes through the same bookkeeping as a decode step.
 
