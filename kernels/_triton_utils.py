@@ -142,3 +142,26 @@ def pdl_wait(PDL: tl.constexpr):
     """Block until the previous kernel has finished and its writes are visible (no-op without PDL)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def load_add_residual(X, R, RO, offs_x, offs_r, offs_ro, mask, HAS_RES: tl.constexpr):
+    """The norms' residual prologue: x = X[offs_x]; with HAS_RES, x = round(x + R[offs_r]) (added in fp32,
+    rounded once to X's dtype, like torch's ``residual + x``), stored to RO[offs_ro] as the new residual."""
+    x = tl.load(X + offs_x, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(R + offs_r, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(RO + offs_ro, x, mask=mask)
+    return x
+
+
+@triton.jit
+def row_block(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows [pid * BLOCK_M, +BLOCK_M) of an (M, N) row-major problem with the whole row in one tile: returns the
+    int64 row indices, the column indices, the column mask and the 2-D mask."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    mask = (rows < M)[:, None] & cmask[None, :]
+    return rows.to(tl.int64), cols, cmask, mask

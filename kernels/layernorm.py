@@ -22,7 +22,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._triton_utils import as_rows, cdiv, check_device, residual_rows, row_tile, warps_for
+from ._triton_utils import (as_rows, cdiv, check_device, load_add_residual, residual_rows, row_block, row_tile,
+                            warps_for)
 
 __all__ = ["layer_norm", "layer_norm_ref"]
 
@@ -40,18 +41,9 @@ def layer_norm_ref(x, weight, bias, eps: float = 1e-5, residual=None):
 @triton.jit
 def _layernorm_kernel(X, R, W, B, Y, RO, M, N, sx, sr, sy, sro, eps,
                       HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    rmask = rows < M
-    cmask = cols < N
-    mask = rmask[:, None] & cmask[None, :]
-    rows64 = rows.to(tl.int64)
-    x = tl.load(X + rows64[:, None] * sx + cols[None, :], mask=mask, other=0.0)
-    if HAS_RES:
-        r = tl.load(R + rows64[:, None] * sr + cols[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-        tl.store(RO + rows64[:, None] * sro + cols[None, :], x, mask=mask)
+    rows64, cols, cmask, mask = row_block(M, N, BLOCK_M, BLOCK_N)
+    x = load_add_residual(X, R, RO, rows64[:, None] * sx + cols[None, :], rows64[:, None] * sr + cols[None, :],
+                          rows64[:, None] * sro + cols[None, :], mask, HAS_RES)
     xf = x.to(tl.float32)
     mean = tl.sum(xf, axis=1) / N
     d = tl.where(mask, xf - mean[:, None], 0.0)

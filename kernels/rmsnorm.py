@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import (as_rows, cdiv, check_device, pdl_begin, pdl_launch, pdl_wait, residual_rows, row_tile,
-                            warps_for)
+from ._triton_utils import (as_rows, cdiv, check_device, load_add_residual, pdl_begin, pdl_launch, pdl_wait,
+                            residual_rows, row_block, row_tile, warps_for)
 
 __all__ = ["rms_norm", "rms_norm_ref"]
 
@@ -47,20 +47,11 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
 def _rmsnorm_kernel(X, R, W, Y, RO, M, N, sx, sr, sy, sro, eps,
                     HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    rmask = rows < M
-    cmask = cols < N
-    mask = rmask[:, None] & cmask[None, :]
-    rows64 = rows.to(tl.int64)
+    rows64, cols, cmask, mask = row_block(M, N, BLOCK_M, BLOCK_N)
     w = tl.load(W + cols, mask=cmask, other=0.0)  # the gain is never written by the step: safe before the wait
     pdl_wait(PDL)
-    x = tl.load(X + rows64[:, None] * sx + cols[None, :], mask=mask, other=0.0)
-    if HAS_RES:
-        r = tl.load(R + rows64[:, None] * sr + cols[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-        tl.store(RO + rows64[:, None] * sro + cols[None, :], x, mask=mask)
+    x = load_add_residual(X, R, RO, rows64[:, None] * sx + cols[None, :], rows64[:, None] * sr + cols[None, :],
+                          rows64[:, None] * sro + cols[None, :], mask, HAS_RES)
     xf = x.to(tl.float32)
     ms = tl.sum(xf * xf, axis=1) / N
     rstd = tl.math.rsqrt(ms + eps)
