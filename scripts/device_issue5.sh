@@ -37,7 +37,7 @@ elif [ "$mode" = check ]; then
 elif [ "$mode" = final ]; then
     # one call: the GPU tests of the last kernel change, then the full benchmark.sh with the peers
     t0=$(date +%s)
-    timeout 230 python3 -m pytest -q -p no:cacheprovider tests/test_fast_path.py tests/test_skinny_gemm.py \
+    timeout 290 python3 -m pytest -q -p no:cacheprovider tests/test_fast_path.py tests/test_skinny_gemm.py \
       tests/test_engine.py tests/test_end_to_end.py tests/test_logmel_cuda.py -k "not nvrtc_compiles" 2>&1 \
       | tee "$OUT/pytest_final.log" | tail -4
     echo "tests took $(( $(date +%s) - t0 )) s"
