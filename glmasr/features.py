@@ -114,13 +114,13 @@ def log_mel_windows(windows: torch.Tensor, n_mels: int = 128) -> torch.Tensor:
 
 
 def pack_windows(pieces: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pack 1-D pieces of at most 480000 samples into one zero-padded float32 CPU tensor (B, longest piece)
-    and their lengths (B,) int64 -- one host buffer, so a single copy moves a whole batch to the GPU."""
+    """Zero-padded 30 s windows (B, 480000) float32 on the CPU from 1-D pieces of at most 480000 samples, and
+    their lengths (B,) int64."""
     lengths = [int(p.shape[0]) for p in pieces]
     for i, (p, n) in enumerate(zip(pieces, lengths)):
         if p.ndim != 1 or n > WINDOW_SAMPLES:
             raise ValueError(f"window piece {i} must be 1-D with at most {WINDOW_SAMPLES} samples, got {tuple(p.shape)}")
-    out = torch.zeros(len(pieces), max(lengths), dtype=torch.float32)
+    out = torch.zeros(len(pieces), WINDOW_SAMPLES, dtype=torch.float32)
     for i, p in enumerate(pieces):
         out[i, : lengths[i]] = torch.as_tensor(p, dtype=torch.float32)
     return out, torch.tensor(lengths, dtype=torch.int64)
@@ -134,9 +134,8 @@ def whisper_features(
     returns (features (B, n_mels, 3000) float32, mask (B, 3000) int32 with the first
     ceil(len/160) frames set).
     """
-    packed, lengths = pack_windows(pieces)
-    windows = torch.nn.functional.pad(packed, (0, WINDOW_SAMPLES - packed.shape[1])).to(device)
-    feats = log_mel_windows(windows, n_mels)
+    windows, lengths = pack_windows(pieces)
+    feats = log_mel_windows(windows.to(device), n_mels)
     frames = num_valid_frames(lengths.to(feats.device))
     mask = (torch.arange(FRAMES_PER_WINDOW, device=feats.device)[None, :] < frames[:, None]).to(torch.int32)
     return feats, mask
