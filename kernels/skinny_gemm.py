@@ -74,6 +74,10 @@ class SkinnyConfig:
     # K tiles loaded before the PDL wait (1 or 2); None: PRELOAD_TILES on the FMA path, 1 on the dot path
     preload: int | None = None
 
+    def __post_init__(self):
+        if self.preload not in (None, 1, 2):
+            raise ValueError(f"SkinnyConfig.preload must be 1 or 2, got {self.preload}")
+
     def short(self) -> str:
         return (f"{'dot' if self.use_dot else 'fma'} BN{self.block_n} BK{self.block_k} S{self.split_k} "
                 f"w{self.num_warps} st{self.num_stages}" + (f" pre{self.preload}" if self.preload else ""))
@@ -384,8 +388,6 @@ PRELOAD_TILES = 1
 
 def _preload(cfg: SkinnyConfig) -> int:
     if cfg.preload is not None:
-        if cfg.preload not in (1, 2):
-            raise ValueError(f"SkinnyConfig.preload must be 1 or 2, got {cfg.preload}")
         return cfg.preload
     return 1 if cfg.use_dot else PRELOAD_TILES
 
