@@ -139,7 +139,7 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
         net = FastGlmAsrModel(net, encoder_graphs=os.environ.get("GLMASR_ENCODER_GRAPHS", "1") != "0",
                               decode_gemm=os.environ.get("GLMASR_DECODE_GEMM", "skinny"))
         if dev.type == "cuda":
-            from kernels.logmel import is_available
+            from glmasr_kernels.logmel import is_available
 
             frontend = "cuda" if is_available() else "torch"
     return GlmAsr(cfg, net, prompts, folder, frontend)
@@ -306,7 +306,7 @@ def _features(pieces: list[np.ndarray], asr: GlmAsr) -> torch.Tensor:
     when its toolchain is installed, else the plain-torch recipe."""
     n_mels = asr.config.audio.num_mel_bins
     if asr.frontend == "cuda":
-        from kernels.logmel import whisper_features as fused_whisper_features
+        from glmasr_kernels.logmel import whisper_features as fused_whisper_features
 
         lengths = [int(p.shape[0]) for p in pieces]
         # Filled in place in a pinned buffer (torch's caching host allocator: reused, no page faults) and

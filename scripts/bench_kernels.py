@@ -27,12 +27,12 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from graph_timing import graph_call_us  # noqa: E402  (scripts/graph_timing.py)
-from kernels.activations import gelu_bias, gelu_bias_ref, swiglu, swiglu_ref  # noqa: E402
-from kernels.decode_attention import choose_num_splits, decode_attention, decode_attention_ref  # noqa: E402
-from kernels.kv_append import kv_append, kv_append_ref  # noqa: E402
-from kernels.layernorm import layer_norm, layer_norm_ref  # noqa: E402
-from kernels.rmsnorm import rms_norm, rms_norm_ref  # noqa: E402
-from kernels.rope import build_rope_cache, rope_, rope_and_append, rope_ref  # noqa: E402
+from glmasr_kernels.activations import gelu_bias, gelu_bias_ref, swiglu, swiglu_ref  # noqa: E402
+from glmasr_kernels.decode_attention import choose_num_splits, decode_attention, decode_attention_ref  # noqa: E402
+from glmasr_kernels.kv_append import kv_append, kv_append_ref  # noqa: E402
+from glmasr_kernels.layernorm import layer_norm, layer_norm_ref  # noqa: E402
+from glmasr_kernels.rmsnorm import rms_norm, rms_norm_ref  # noqa: E402
+from glmasr_kernels.rope import build_rope_cache, rope_, rope_and_append, rope_ref  # noqa: E402
 
 DEV = "cuda"
 BF = torch.bfloat16

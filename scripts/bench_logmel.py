@@ -21,9 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from glmasr.features import log_mel_windows  # noqa: E402
-from kernels.logmel import MelSpectrogram, whisper_features  # noqa: E402
-from kernels.logmel import _config as C  # noqa: E402
-from kernels.logmel._build import KernelConfig, get_cubin  # noqa: E402
+from glmasr_kernels.logmel import MelSpectrogram, whisper_features  # noqa: E402
+from glmasr_kernels.logmel import _config as C  # noqa: E402
+from glmasr_kernels.logmel._build import KernelConfig, get_cubin  # noqa: E402
 
 SWEEP = [1 << k for k in range(6, 15)]
 

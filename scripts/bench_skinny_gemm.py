@@ -39,8 +39,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from graph_timing import graph_call_us  # noqa: E402  (scripts/graph_timing.py)
-from kernels import skinny_gemm as sg  # noqa: E402
-from kernels.skinny_gemm import SkinnyConfig  # noqa: E402
+from glmasr_kernels import skinny_gemm as sg  # noqa: E402
+from glmasr_kernels.skinny_gemm import SkinnyConfig  # noqa: E402
 
 BF = torch.bfloat16
 HIDDEN, INTER, VOCAB, LAYERS = 2048, 6144, 59264, 28
@@ -139,7 +139,7 @@ def cublas_call(x, w, out, swiglu, tmp=None):
     """cuBLAS baseline; for SwiGLU: the GEMM into tmp (M, 2I) + the Triton swiglu kernel (the unfused path;
     the kernel allocates its output, from the graph's private pool)."""
     if swiglu:
-        from kernels.activations import swiglu as swiglu_k
+        from glmasr_kernels.activations import swiglu as swiglu_k
 
         def f():
             torch.mm(x, w.t(), out=tmp)
@@ -304,7 +304,7 @@ def bench_decoder(ms: list[int], peak: float):
     lm = gen(VOCAB, HIDDEN, scale=HIDDEN ** -0.5)
     wbytes = sum(w.numel() * 2 for L in layers for w in L.values()) + lm.numel() * 2
     log(f"  weights {wbytes / 1e9:.3f} GB, floor at copy peak {wbytes / peak / 1e6:.3f} ms")
-    from kernels.activations import swiglu as swiglu_k
+    from glmasr_kernels.activations import swiglu as swiglu_k
     table = [f"{'variant':24s} {'M':>3s} {'ms/step':>8s} {'GB/s':>7s} {'%peak':>6s} {'vs cuBLAS':>9s}"]
     for m in ms:
         xh = gen(m, HIDDEN)
@@ -375,7 +375,7 @@ def aot_compile(m: int, n_w: int, k: int, cfg: SkinnyConfig, swiglu: bool, arch:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels._triton_utils import cdiv, next_pow2
+    from glmasr_kernels._triton_utils import cdiv, next_pow2
     fn = sg._skinny_kernel
     n = n_w // 2 if swiglu else n_w
     bm = sg.m_bucket(m)

@@ -298,7 +298,7 @@ def kernel_stages(fn, iters: int) -> dict:
 def section_breakdown(asr, peaks):
     """Where the time goes: latency stages of the 3.5 s / 13-token case, the decode step (graph time with and
     without PDL, with cuBLAS GEMMs, and GPU time per kernel stage), the encoder per stage at 1 and 32 windows."""
-    from kernels import _triton_utils
+    from glmasr_kernels import _triton_utils
 
     report = {}
     audio = clip(3.5)
@@ -336,7 +336,7 @@ def section_breakdown(asr, peaks):
 
     from dataclasses import replace
 
-    from kernels import skinny_gemm
+    from glmasr_kernels import skinny_gemm
 
     # M = 1 configs of the attention GEMVs (qkv 3072 x 2048, o 2048 x 2048: 2 K tiles each, few programs per
     # SM) with both tiles loaded before the PDL wait; the global 2-tile switch also changes the big matrices

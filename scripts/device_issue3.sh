@@ -21,7 +21,7 @@ if [ "${1:-}" = breakdown ]; then
     if command -v ncu >/dev/null && [ "$SECONDS" -lt 165 ]; then
         timeout $((190 - SECONDS)) ncu --kernel-name logmel_main --launch-skip 1 --launch-count 1 \
             --section SpeedOfLight --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
-            python3 -c "import torch; from kernels.logmel import whisper_features as w; x=torch.randn(128,480000,device='cuda')*0.1; w(x); w(x); torch.cuda.synchronize()" \
+            python3 -c "import torch; from glmasr_kernels.logmel import whisper_features as w; x=torch.randn(128,480000,device='cuda')*0.1; w(x); w(x); torch.cuda.synchronize()" \
             > "$OUT/ncu.txt" 2>&1; tail -60 "$OUT/ncu.txt"
     else
         echo "ncu: $(command -v ncu || echo absent), t=${SECONDS}s"

@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_logmel import copy_peak_gbs, n_inputs, time_graph  # noqa: E402
 
-from kernels.logmel import _config as C  # noqa: E402
-from kernels.logmel import _runtime as R  # noqa: E402
-from kernels.logmel._build import KernelConfig, get_cubin  # noqa: E402
+from glmasr_kernels.logmel import _config as C  # noqa: E402
+from glmasr_kernels.logmel import _runtime as R  # noqa: E402
+from glmasr_kernels.logmel._build import KernelConfig, get_cubin  # noqa: E402
 
 N_MELS = 128
 
@@ -167,7 +167,7 @@ def main():
     batches = [int(b) for b in args.batches.split(",")]
 
     if args.compile_only:
-        from kernels.logmel._build import nvrtc_compile
+        from glmasr_kernels.logmel._build import nvrtc_compile
 
         ab, ti = variants(args.sm)
         cfgs = {repr(c): c for c in [c for c, _ in ab.values()] + list(ti.values())}

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels.logmel._build import get_cubin  # noqa: E402
+from glmasr_kernels.logmel._build import get_cubin  # noqa: E402
 from tests.test_logmel_cuda import all_test_configs  # noqa: E402
 
 if __name__ == "__main__":

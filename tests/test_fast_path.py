@@ -82,7 +82,7 @@ def test_cuda_engine_uses_fused_frontend_and_agrees(tiny_shipped):
     """On CUDA the default load runs the Triton model on features from the fused cuFFTDx frontend. Against the
     plain-torch path (torch features, torch model) in fp32: features differ by <= 2e-4 (frontend tolerance),
     so logits agree to 1e-3 relative and greedy tokens are identical on this clip."""
-    from kernels.logmel import is_available
+    from glmasr_kernels.logmel import is_available
 
     assert is_available(), "the device run installs nvidia-mathdx / nvidia-cuda-cccl (scripts/device_*.sh)"
     fast = glmasr.load(tiny_shipped, device="cuda", dtype="float32")
@@ -130,7 +130,7 @@ def test_pdl_decode_step_in_graph_equals_plain_launches(tiny_shipped):
     same arithmetic: PDL only changes when a kernel may start, so any difference is a missed wait)."""
     from glmasr.engine.kv_cache import KVCache
     from glmasr.models.fast import FastGlmAsrModel
-    from kernels import _triton_utils
+    from glmasr_kernels import _triton_utils
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90+")

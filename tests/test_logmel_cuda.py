@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.logmel import _config as C
-from kernels.logmel._build import KernelConfig, cache_key
+from glmasr_kernels.logmel import _config as C
+from glmasr_kernels.logmel._build import KernelConfig, cache_key
 
 def _nvrtc_available() -> bool:
     try:
         import cuda.bindings.nvrtc  # noqa: F401
 
-        from kernels.logmel._build import include_dirs
+        from glmasr_kernels.logmel._build import include_dirs
 
         include_dirs()
         return True
@@ -115,7 +115,7 @@ def test_validation_errors():
 
 
 def test_mel_spectrogram_constructor_errors():
-    from kernels.logmel import MelSpectrogram
+    from glmasr_kernels.logmel import MelSpectrogram
 
     with pytest.raises(ValueError, match="n_fft"):
         MelSpectrogram(n_fft=1000)
@@ -155,7 +155,7 @@ def test_pad_validation():
 
 
 def test_cache_key_and_dir(tmp_path, monkeypatch):
-    from kernels.logmel import _build
+    from glmasr_kernels.logmel import _build
 
     a, b = _whisper_cfg(), _whisper_cfg(out_bf16=True)
     assert cache_key(a) == cache_key(_whisper_cfg()) and cache_key(a) != cache_key(b)
@@ -215,7 +215,7 @@ def test_kernel_math_emulation():
 
 # ------------------------------------------------------------------ CPU: NVRTC compile (CI)
 def _compile_one(cfg: KernelConfig) -> str:
-    from kernels.logmel._build import nvrtc_compile
+    from glmasr_kernels.logmel._build import nvrtc_compile
 
     cubin, log = nvrtc_compile(cfg, verbose_ptxas=True)
     assert len(cubin) > 0
@@ -279,7 +279,7 @@ def _hf_features(pieces: list[np.ndarray]) -> np.ndarray:
 @pytest.mark.parametrize("kind", ["noise", "speech"])
 @pytest.mark.parametrize("seconds", [0.5, 3.5, 29.99, 30.0, 61.0])
 def test_whisper_vs_hf(kind, seconds):
-    from kernels.logmel import whisper_features
+    from glmasr_kernels.logmel import whisper_features
 
     x = _signal(kind, int(round(seconds * SR)), seed=int(seconds * 100))
     pieces = _split_windows(x)
@@ -303,7 +303,7 @@ def test_whisper_vs_hf(kind, seconds):
 def test_whisper_batches_vs_torch_reference(batch):
     """Mixed lengths, short (B, T<480000) rows, vs glmasr.features (which matches HF to ~1e-5)."""
     from glmasr.features import whisper_features as ref_whisper
-    from kernels.logmel import whisper_features
+    from glmasr_kernels.logmel import whisper_features
 
     rng = np.random.default_rng(batch)
     T = 480000 if batch % 2 else 400000
@@ -329,7 +329,7 @@ def test_whisper_batches_vs_torch_reference(batch):
 @needs_cuda
 def test_whisper_int16_and_default_lengths():
     from glmasr.features import log_mel_windows
-    from kernels.logmel import whisper_features
+    from glmasr_kernels.logmel import whisper_features
 
     x = _signal("speech", 480000, 3)
     q = np.clip(np.round(x * 32768), -32768, 32767).astype(np.int16)
@@ -345,7 +345,7 @@ def test_whisper_int16_and_default_lengths():
 @pytest.mark.parametrize("n_mels", [128, 80])
 def test_whisper_bf16_out(n_mels):
     from glmasr.features import log_mel_windows
-    from kernels.logmel import whisper_features
+    from glmasr_kernels.logmel import whisper_features
 
     pcm = torch.from_numpy(_signal("speech", 480000, 5)).cuda()[None].repeat(2, 1)
     pcm[1, 100000:] = 0
@@ -361,7 +361,7 @@ def test_whisper_bf16_out(n_mels):
 
 @needs_cuda
 def test_whisper_errors():
-    from kernels.logmel import whisper_features
+    from glmasr_kernels.logmel import whisper_features
 
     with pytest.raises(ValueError, match="CUDA"):
         whisper_features(torch.zeros(1, 1000))
@@ -380,7 +380,7 @@ def test_whisper_errors():
 @pytest.mark.parametrize("case", MEL_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_mel_vs_torchaudio(case):
     torchaudio = pytest.importorskip("torchaudio")
-    from kernels.logmel import MelSpectrogram
+    from glmasr_kernels.logmel import MelSpectrogram
 
     T = 20000 if case["n_fft"] < 8192 else 40000
     x = torch.randn(2, 3, T, device="cuda")
@@ -397,7 +397,7 @@ def test_mel_vs_torchaudio(case):
 @needs_cuda
 def test_mel_int16_and_bf16():
     torchaudio = pytest.importorskip("torchaudio")
-    from kernels.logmel import MelSpectrogram
+    from glmasr_kernels.logmel import MelSpectrogram
 
     q = torch.randint(-20000, 20000, (3, 16000), dtype=torch.int16, device="cuda")
     ref = torchaudio.transforms.MelSpectrogram(n_fft=400, hop_length=160).cuda()(q.float() / 32768)
@@ -412,7 +412,7 @@ def test_mel_int16_and_bf16():
 
 @needs_cuda
 def test_mel_runtime_errors():
-    from kernels.logmel import MelSpectrogram
+    from glmasr_kernels.logmel import MelSpectrogram
 
     m = MelSpectrogram(n_fft=1024)
     with pytest.raises(ValueError, match="reflect"):
@@ -427,7 +427,7 @@ def test_mel_runtime_errors():
 
 @needs_cuda
 def test_torch_compile_fullgraph():
-    from kernels.logmel import MelSpectrogram, whisper_features
+    from glmasr_kernels.logmel import MelSpectrogram, whisper_features
 
     mel = MelSpectrogram(n_fft=512, hop_length=128)
 
@@ -445,7 +445,7 @@ def test_torch_compile_fullgraph():
 
 @needs_cuda
 def test_warm_load_fast(tmp_path, monkeypatch):
-    from kernels.logmel import _build, _runtime
+    from glmasr_kernels.logmel import _build, _runtime
 
     cfg = _whisper_cfg(sm=_runtime._device_sm(torch.cuda.current_device()))
     _build.get_cubin(cfg)  # ensure cached

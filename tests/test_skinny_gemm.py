@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from kernels.skinny_gemm import (  # noqa: E402
+from glmasr_kernels.skinny_gemm import (  # noqa: E402
     CONFIGS, kernel_config,
     MAX_M, SkinnyConfig, linear, linear_swiglu, select, skinny_gemm, skinny_gemm_ref, skinny_gemm_swiglu,
     skinny_gemm_swiglu_ref)

@@ -33,13 +33,13 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from kernels.activations import gelu_bias, gelu_bias_ref, swiglu, swiglu_ref  # noqa: E402
-from kernels.greedy_commit import greedy_commit, greedy_commit_ref  # noqa: E402
-from kernels.decode_attention import choose_num_splits, decode_attention, decode_attention_ref  # noqa: E402
-from kernels.kv_append import kv_append, kv_append_ref  # noqa: E402
-from kernels.layernorm import layer_norm, layer_norm_ref  # noqa: E402
-from kernels.rmsnorm import rms_norm, rms_norm_ref  # noqa: E402
-from kernels.rope import build_rope_cache, rope_, rope_and_append, rope_and_append_ref, rope_ref  # noqa: E402
+from glmasr_kernels.activations import gelu_bias, gelu_bias_ref, swiglu, swiglu_ref  # noqa: E402
+from glmasr_kernels.greedy_commit import greedy_commit, greedy_commit_ref  # noqa: E402
+from glmasr_kernels.decode_attention import choose_num_splits, decode_attention, decode_attention_ref  # noqa: E402
+from glmasr_kernels.kv_append import kv_append, kv_append_ref  # noqa: E402
+from glmasr_kernels.layernorm import layer_norm, layer_norm_ref  # noqa: E402
+from glmasr_kernels.rmsnorm import rms_norm, rms_norm_ref  # noqa: E402
+from glmasr_kernels.rope import build_rope_cache, rope_, rope_and_append, rope_and_append_ref, rope_ref  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

@@ -135,7 +135,7 @@ class Engine:
                               kv_len=kv_len)
         logits = model.logits(hidden[:, 0], upcast=not self.fused_commit)
         if self.fused_commit:
-            from kernels.greedy_commit import greedy_commit
+            from glmasr_kernels.greedy_commit import greedy_commit
 
             greedy_commit(logits, self.active[:b], **self._state())  # argmax + bookkeeping, one launch
             self.step_index += 1

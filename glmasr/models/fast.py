@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels._triton_utils import interpreting
-from kernels.activations import gelu_bias, swiglu
-from kernels.decode_attention import decode_attention
-from kernels.layernorm import layer_norm
-from kernels.rmsnorm import rms_norm
-from kernels.rope import build_rope_cache, rope_, rope_and_append
+from glmasr_kernels._triton_utils import interpreting
+from glmasr_kernels.activations import gelu_bias, swiglu
+from glmasr_kernels.decode_attention import decode_attention
+from glmasr_kernels.layernorm import layer_norm
+from glmasr_kernels.rmsnorm import rms_norm
+from glmasr_kernels.rope import build_rope_cache, rope_, rope_and_append
 
 from ..engine.kv_cache import KVCache
 from .glmasr import GlmAsrModel
@@ -267,7 +267,7 @@ class FastGlmAsrModel:
     def _decode_linears(self, prefill: bool):
         """(linear, linear_swiglu) for this call: cuBLAS (+ the SwiGLU kernel), or the skinny GEMV kernels."""
         if self.decode_gemm == "skinny" and not prefill:
-            from kernels import skinny_gemm
+            from glmasr_kernels import skinny_gemm
 
             return skinny_gemm.linear, skinny_gemm.linear_swiglu
         return F.linear, lambda x, w: swiglu(F.linear(x, w))

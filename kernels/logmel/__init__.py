@@ -48,7 +48,7 @@ def _rt():
 def _no_grad_check(x: torch.Tensor, name: str) -> None:
     if torch.is_grad_enabled() and x.requires_grad:
         raise RuntimeError(
-            f"kernels.logmel is inference-only (no backward): {name} requires grad; "
+            f"glmasr_kernels.logmel is inference-only (no backward): {name} requires grad; "
             "call it under torch.no_grad() / torch.inference_mode() or detach the input"
         )
 
