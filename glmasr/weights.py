@@ -4,10 +4,16 @@ A checkpoint is a folder with ``config.json``, ``model.safetensors`` (or shards 
 ``model.safetensors.index.json``) and the tokenizer files. ``resolve_checkpoint`` accepts such a folder or a
 Hugging Face hub id (downloaded into the normal HF cache by ``huggingface_hub.snapshot_download``).
 
-Two key layouts are accepted and mapped onto our module names:
-- shipped:        ``audio_tower.*``, ``multi_modal_projector.*``, ``language_model.model.*``, ``language_model.lm_head.weight``
-- save_pretrained: ``model.audio_tower.*``, ``model.multi_modal_projector.*``, ``model.language_model.*``, ``lm_head.weight``
-A missing lm head is tied to the token embeddings. Tensors go from the file straight to the target device
+These key layouts are accepted and mapped onto our module names (``canonical_name``):
+- shipped (the Hub file; also what transformers 5.24 ``save_pretrained`` writes): ``audio_tower.*``,
+  ``multi_modal_projector.*``, ``language_model.model.*``, ``language_model.lm_head.weight``
+- transformers 5.17 ``save_pretrained``: as shipped, but the decoder one level deeper,
+  ``language_model.model.model.*`` (its renaming table for this model holds two rules that both rename
+  ``language_model.model``, and saving reverses both); lm head as shipped
+- transformers' runtime names (``state_dict()`` of ``GlmAsrForConditionalGeneration``): ``model.audio_tower.*``,
+  ``model.multi_modal_projector.*``, ``model.language_model.*``, ``lm_head.weight``
+``save_pretrained`` leaves the lm head out when it is tied (``tie_word_embeddings``, the GLM-ASR default); a
+missing lm head is tied to the token embeddings. Tensors go from the file straight to the target device
 and are cast to the target dtype there; no second model is ever materialised.
 """
 
@@ -23,8 +29,10 @@ from .config import GlmAsrConfig
 
 DEFAULT_MODEL_ID = "zai-org/GLM-ASR-Nano-2512"
 
-# (checkpoint prefix, our prefix), longest first so that "language_model.lm_head." wins over "language_model.".
+# (checkpoint prefix, our prefix); the first match wins, so a prefix comes before every shorter one it extends
+# ("language_model.model.model." before "language_model.model.").
 _PREFIXES = [
+    ("language_model.model.model.", "language_model."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
     ("model.language_model.", "language_model."),
     ("model.audio_tower.", "audio_tower."),

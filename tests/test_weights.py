@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import glmasr
-from glmasr.weights import CheckpointError, resolve_checkpoint
+from glmasr.weights import CheckpointError, canonical_name, resolve_checkpoint
 
 
 def copy_checkpoint(src, dst):
@@ -31,6 +31,26 @@ def test_both_layouts_give_identical_parameters(tiny_shipped, tiny_transformers)
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("key,name", [
+    # shipped (the Hub file; transformers 5.24 save_pretrained)
+    ("audio_tower.layers.3.self_attn.q_proj.bias", "audio_tower.layers.3.self_attn.q_proj.bias"),
+    ("multi_modal_projector.linear_1.weight", "multi_modal_projector.linear_1.weight"),
+    ("language_model.model.layers.0.mlp.up_proj.weight", "language_model.layers.0.mlp.up_proj.weight"),
+    ("language_model.lm_head.weight", "lm_head.weight"),
+    # transformers 5.17 save_pretrained: the decoder one level deeper
+    ("language_model.model.model.embed_tokens.weight", "language_model.embed_tokens.weight"),
+    ("language_model.model.model.norm.weight", "language_model.norm.weight"),
+    # transformers' runtime names
+    ("model.audio_tower.conv1.weight", "audio_tower.conv1.weight"),
+    ("model.multi_modal_projector.linear_2.bias", "multi_modal_projector.linear_2.bias"),
+    ("model.language_model.layers.1.self_attn.k_proj.weight", "language_model.layers.1.self_attn.k_proj.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+    ("vision_tower.patch_embed.weight", None),
+])
+def test_canonical_names_of_every_layout(key, name):
+    assert canonical_name(key) == name
 
 
 def test_missing_lm_head_is_tied_to_embeddings(tiny_transformers):
