@@ -18,15 +18,21 @@ Same interface as ``GlmAsrModel`` (``encode_audio``, ``embed_tokens``, ``decode`
 
 Contract of ``decode``: either a prefill from slot 0 (``positions`` = 0..T-1 for every row, ``kv_len == T``)
 or one token per sequence (T == 1) at per-sequence positions.
+
+Configs the kernels cannot serve (``kernel_support``): the part concerned (encoder, decoder) runs on the
+reference modules instead, decided once at construction with one ``KernelFallbackWarning`` per part.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
+import triton.language as tl
 from torch import nn
 
-from glmasr_kernels._triton_utils import interpreting
+from glmasr_kernels._triton_utils import interpreting, next_pow2
 from glmasr_kernels.activations import gelu_bias, swiglu
 from glmasr_kernels.decode_attention import decode_attention
 from glmasr_kernels.layernorm import layer_norm
@@ -35,6 +41,73 @@ from glmasr_kernels.rope import build_rope_cache, rope_, rope_and_append
 
 from ..engine.kv_cache import KVCache
 from .glmasr import GlmAsrModel
+
+
+# Config limits of the kernels this path launches (kernels/*.py), checked by ``kernel_support``.
+# LayerNorm / RMSNorm hold a whole row in registers: kernels/layernorm.py and kernels/rmsnorm.py refuse N > 32768.
+NORM_MAX_WIDTH = 32768
+# Triton's cap on the elements of one block (tensor) inside a kernel; larger tiles fail to compile.
+TILE_MAX_NUMEL = getattr(tl, "TRITON_MAX_TENSOR_NUMEL", 1 << 20)
+# The frontend kernel (kernels/logmel) computes Whisper features with these mel counts only.
+LOGMEL_MEL_BINS = (80, 128)
+# decode_attention's K/V tile length on the GPU (kernels/decode_attention.py: block_n = 64; 16 when interpreting).
+_DECODE_BLOCK_N = 64
+
+
+class KernelFallbackWarning(UserWarning):
+    """A part of the model runs on the plain PyTorch path because its config does not fit a kernel."""
+
+
+def _rope_tile(heads: int, rotary_dim: int) -> int:
+    """Elements of the smallest block kernels/rope.py launches: one token x next_pow2(heads) x next_pow2(R/2)."""
+    return next_pow2(heads) * next_pow2(rotary_dim // 2)
+
+
+def kernel_support(cfg) -> dict[str, str | None]:
+    """For each part of the GPU path ("frontend", "encoder", "decoder"): None if its kernels can run ``cfg``
+    (a ``GlmAsrConfig``), else the reason, naming the config field, its value and the kernel's constraint
+    (several reasons joined by "; "). Nothing is launched; the limits are the launchers' own checks
+    (kernels/*.py) and Triton's block size cap.
+
+    - frontend (kernels/logmel, chosen by the caller of this class): ``num_mel_bins`` in (80, 128).
+    - encoder: LayerNorm width (``hidden_size`` <= 32768); RoPE block (next_pow2(heads) x next_pow2(rotary
+      dim / 2) <= Triton's cap). GELU, the GEMMs (cuBLAS) and attention (torch SDPA) take any size.
+    - decoder: decode attention needs a power-of-two ``head_dim`` and its tiles within Triton's cap; RMSNorm
+      width (``hidden_size`` <= 32768); RoPE + KV append block as for the encoder. SwiGLU, the skinny GEMMs
+      and greedy_commit take any size.
+    """
+    a, t = cfg.audio, cfg.text
+    frontend, encoder, decoder = [], [], []
+    if a.num_mel_bins not in LOGMEL_MEL_BINS:
+        frontend.append(f"audio_config.num_mel_bins = {a.num_mel_bins}, but the fused log-mel kernel "
+                        f"(kernels/logmel) computes {' or '.join(map(str, LOGMEL_MEL_BINS))} mel bins only")
+    if a.hidden_size > NORM_MAX_WIDTH:
+        encoder.append(f"audio_config.hidden_size = {a.hidden_size}, but the LayerNorm kernel (kernels/layernorm.py) "
+                       f"holds a row in registers: at most {NORM_MAX_WIDTH}")
+    if _rope_tile(a.num_attention_heads, a.rotary_dim) > TILE_MAX_NUMEL:
+        encoder.append(f"audio_config.num_attention_heads = {a.num_attention_heads} with rotary dim {a.rotary_dim}: "
+                       f"the RoPE kernel (kernels/rope.py) block next_pow2(heads) x next_pow2(rotary_dim / 2) = "
+                       f"{_rope_tile(a.num_attention_heads, a.rotary_dim)} elements exceeds Triton's {TILE_MAX_NUMEL}")
+    d = t.head_dim
+    if d != next_pow2(d):
+        decoder.append(f"text_config.head_dim = {d}, but the decode attention kernel (kernels/decode_attention.py) "
+                       f"needs a power of two")
+    else:
+        block_h, block_d = max(16, next_pow2(t.num_attention_heads // t.num_key_value_heads)), max(16, d)
+        tile = max(_DECODE_BLOCK_N * block_d, block_h * block_d, block_h * _DECODE_BLOCK_N)
+        if tile > TILE_MAX_NUMEL:
+            decoder.append(f"text_config.head_dim = {d} with {t.num_attention_heads // t.num_key_value_heads} query "
+                           f"heads per kv head: a decode attention (kernels/decode_attention.py) tile of {tile} "
+                           f"elements exceeds Triton's {TILE_MAX_NUMEL}")
+    if t.hidden_size > NORM_MAX_WIDTH:
+        decoder.append(f"text_config.hidden_size = {t.hidden_size}, but the RMSNorm kernel (kernels/rmsnorm.py) "
+                       f"holds a row in registers: at most {NORM_MAX_WIDTH}")
+    if _rope_tile(t.num_attention_heads, d) > TILE_MAX_NUMEL:
+        decoder.append(f"text_config.num_attention_heads = {t.num_attention_heads} with head_dim {d}: the RoPE kernel "
+                       f"(kernels/rope.py) block next_pow2(heads) x next_pow2(head_dim / 2) = "
+                       f"{_rope_tile(t.num_attention_heads, d)} elements exceeds Triton's {TILE_MAX_NUMEL}")
+    return {part: "; ".join(reasons) or None
+            for part, reasons in (("frontend", frontend), ("encoder", encoder), ("decoder", decoder))}
 
 
 def _share(linear: nn.Linear, rows: torch.Tensor) -> None:
@@ -103,7 +176,9 @@ def _bucket_chunks(n: int, buckets: tuple[int, ...]) -> list[int]:
 class FastGlmAsrModel:
     """GLM-ASR on Triton kernels + cuBLAS GEMMs; see the module docstring."""
 
-    uses_triton = True  # the engine then runs its Triton step epilogue (kernels/greedy_commit.py) too
+    # The engine runs its Triton step epilogue (kernels/greedy_commit.py) when this is true; set per instance
+    # to whether the decoder runs on the kernels.
+    uses_triton = True
 
     def __init__(self, reference: GlmAsrModel, encoder_graphs: bool = True, decode_gemm: str = "skinny"):
         if reference.device.type != "cuda" and not interpreting():
@@ -116,9 +191,23 @@ class FastGlmAsrModel:
         self.decode_gemm = decode_gemm
         self.reference = reference
         self.cfg = cfg = reference.cfg
+        # Parts whose config a kernel cannot serve run on the reference modules: the instance attributes below
+        # shadow this class's methods, so nothing else dispatches. One warning per part, here, not mid-transcribe.
+        # (The frontend is chosen by the caller: ``kernel_support(cfg)["frontend"]``.)
+        self.kernel_support = kernel_support(cfg)
+        self.fallbacks = {p: r for p, r in self.kernel_support.items() if r is not None and p != "frontend"}
+        for part, reason in self.fallbacks.items():
+            warnings.warn(f"GLM-ASR {part} runs on the plain PyTorch path instead of the Triton kernels: {reason}",
+                          KernelFallbackWarning, stacklevel=2)
+        if "encoder" in self.fallbacks:
+            self.encode_audio = reference.encode_audio
+            encoder_graphs = False
+        if "decoder" in self.fallbacks:
+            self.decode, self.logits = reference.decode, reference.logits
+            self.uses_triton = False
         enc, dec = reference.audio_tower, reference.language_model
-        self.enc_layers = [_EncoderLayerWeights(layer) for layer in enc.layers]
-        self.dec_layers = [_DecoderLayerWeights(layer) for layer in dec.layers]
+        self.enc_layers = [] if "encoder" in self.fallbacks else [_EncoderLayerWeights(layer) for layer in enc.layers]
+        self.dec_layers = [] if "decoder" in self.fallbacks else [_DecoderLayerWeights(layer) for layer in dec.layers]
         self.conv1, self.conv2 = enc.conv1, enc.conv2
         self.enc_norm = (enc.norm.weight, enc.norm.bias)
         self.proj = reference.multi_modal_projector
