@@ -3,15 +3,20 @@
     import glmasr
     result = glmasr.transcribe("speech.wav")            # loads zai-org/GLM-ASR-Nano-2512
     asr = glmasr.load("/path/to/checkpoint", device="cuda")
-    results = glmasr.transcribe(["a.wav", "b.flac"], model=asr)
+    results = glmasr.transcribe(["a.wav", "b.flac"], model=asr)   # thread-safe: one engine per model
 """
 
-from .api import GlmAsr, Transcription, TranscriptDelta, load, transcribe, transcribe_stream
+from .api import transcribe, transcribe_stream
 from .audio import AudioError
 from .config import ConfigError, GlmAsrConfig
+from .engine.loop import EngineClosed, EngineError
+from .handle import GlmAsr, TranscriptionJob, load
+from .options import DecodeOptions, EngineOptions
+from .results import Transcription, TranscriptDelta
 from .tokenizer import TokenizerError
 from .weights import CheckpointError
 
-__all__ = ["load", "transcribe", "transcribe_stream", "GlmAsr", "Transcription", "TranscriptDelta", "GlmAsrConfig", "AudioError", "CheckpointError",
-           "ConfigError", "TokenizerError"]
+__all__ = ["load", "transcribe", "transcribe_stream", "GlmAsr", "TranscriptionJob", "Transcription",
+           "TranscriptDelta", "DecodeOptions", "EngineOptions", "GlmAsrConfig", "AudioError", "CheckpointError",
+           "ConfigError", "TokenizerError", "EngineError", "EngineClosed"]
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ gives the same ids as transformers.
 from __future__ import annotations
 
 import json
+import threading
 import warnings
 from pathlib import Path
 
@@ -61,6 +62,9 @@ class PromptBuilder:
         self.audio_token_id = audio_token_id
         self.chat_template = chat_template
         self._encoded: dict[tuple[int, str | None], tuple[int, ...]] = {}
+        # Many callers' threads tokenize and detokenize at once; the tokenizer object is not documented as
+        # thread-safe (its call path sets truncation/padding state), so calls into it are serialized (~us each).
+        self._lock = threading.Lock()
         if chat_template:
             self._check_chat_template(chat_template)
 
@@ -92,11 +96,12 @@ class PromptBuilder:
             raise ValueError(f"a prompt needs at least one audio token, got {num_audio_tokens}")
         # Memoized: a batch of 30 s windows asks for the same prompt hundreds of times (~0.3 ms a call).
         key = (num_audio_tokens, prompt)
-        if key not in self._encoded:
-            if len(self._encoded) >= 4096:
-                self._encoded.clear()
-            self._encoded[key] = tuple(self._encode(num_audio_tokens, prompt))
-        return list(self._encoded[key])
+        with self._lock:
+            if key not in self._encoded:
+                if len(self._encoded) >= 4096:
+                    self._encoded.clear()
+                self._encoded[key] = tuple(self._encode(num_audio_tokens, prompt))
+            return list(self._encoded[key])
 
     def _encode(self, num_audio_tokens: int, prompt: str | None) -> list[int]:
         text = self.render(num_audio_tokens, prompt)
@@ -109,7 +114,8 @@ class PromptBuilder:
         return ids
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        with self._lock:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _check_chat_template(self, template: str) -> None:
         """The checkpoint's own template must render the same string as ``render`` (warn if not)."""
@@ -127,3 +133,26 @@ class PromptBuilder:
         if rendered[0] != self.render(1):
             warnings.warn(f"the checkpoint's chat template renders {rendered[0]!r}, which differs from the "
                           f"GLM-ASR prompt {self.render(1)!r}; using the GLM-ASR prompt")
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token list, piece by piece, in time linear in its length: each ``push`` decodes only
+    the tokens since the last emitted piece plus the few before them (for context at the boundary), and holds
+    text back while it ends in an incomplete multi-byte character."""
+
+    def __init__(self, prompts: PromptBuilder):
+        self.prompts = prompts
+        self.ids: list[int] = []
+        self._prefix = 0  # start of the context window
+        self._read = 0  # tokens up to here are reflected in the emitted text
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids += new_ids
+        if len(self.ids) == self._read:
+            return ""
+        before = self.prompts.decode(self.ids[self._prefix: self._read])
+        now = self.prompts.decode(self.ids[self._prefix:])
+        if len(now) <= len(before) or now.endswith("\ufffd") or not now.startswith(before):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return now[len(before):]

@@ -13,9 +13,13 @@ For every slot b < B (one program each), with ``step = step_index[0]``:
     active[b]      = (active[b] and not mask[b]) or (append and not hit)
     tokens[b]      = tok if append else tokens[b];     positions[b] += append
 
-exactly ``glmasr.engine.engine.commit_tokens(logits.argmax(-1), mask, ...)`` (the plain-torch reference,
-``greedy_commit_ref``); like it, the kernel leaves ``step_index += 1``, which the caller does after the launch (programs read it concurrently). In a
-CUDA graph this replaces ~30 tiny torch kernels per decode step with one.
+exactly ``commit_tokens(logits.argmax(-1), mask, ...)`` (the plain-torch reference, ``greedy_commit_ref``); like
+it, the kernel leaves ``step_index += 1``, which the caller does after the launch (programs read it
+concurrently). In a CUDA graph this replaces ~30 tiny torch kernels per decode step with one.
+
+Status codes: ``RUNNING`` 0, ``STOPPED`` 1 (an eos id ended the sequence), ``LENGTH`` 2 (its budget ran out).
+``commit_tokens`` and the codes are plain torch and import without Triton: the engine's plain path (the CPU
+fallback, also on machines without Triton) uses them for every step.
 
 Shapes: logits (B, V) any float dtype, unit stride in V; mask, ignore_eos, active (>= B,) bool; remaining,
 status, stop_token, tokens, positions (>= B,) int64; out (>= B, S) int64 with S > step; eos_ids (E,) int64;
@@ -25,69 +29,96 @@ step_index (1,) int64. Launched with PDL on sm_90+ (``_triton_utils.pdl_launch``
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from ._triton_utils import cdiv, check_device, interpreting, next_pow2, pdl_begin, pdl_launch, pdl_wait
+try:
+    import triton
+    import triton.language as tl
 
-__all__ = ["greedy_commit", "greedy_commit_ref"]
+    from ._triton_utils import cdiv, check_device, interpreting, next_pow2, pdl_begin, pdl_launch, pdl_wait
+except ImportError:  # the reference and the codes below serve the plain path without Triton
+    triton = None
+
+__all__ = ["RUNNING", "STOPPED", "LENGTH", "commit_tokens", "greedy_commit", "greedy_commit_ref"]
+
+RUNNING, STOPPED, LENGTH = 0, 1, 2
+
+
+def commit_tokens(next_tokens, mask, eos_ids, ignore_eos, out, step_index, remaining, status, stop_token, active,
+                  tokens, positions) -> None:
+    """Per-slot bookkeeping of one greedy step for slots [0, b), b = len(next_tokens), those in ``mask``: eos
+    -> STOPPED, budget exhausted -> LENGTH, the token appended to column ``step_index`` of ``out``. Plain torch;
+    ``step_index`` not advanced."""
+    b = next_tokens.shape[0]
+    is_eos = (next_tokens[:, None] == eos_ids[None, :]).any(-1) & ~ignore_eos[:b]
+    stop = mask & is_eos
+    append = mask & ~is_eos
+    out[:b].index_copy_(1, step_index, torch.where(append, next_tokens, -1)[:, None])
+    rem = remaining[:b] - append.long()
+    remaining[:b] = rem
+    hit_length = append & (rem <= 0)
+    status[:b] = torch.where(stop, STOPPED, torch.where(hit_length, LENGTH, status[:b]))
+    stop_token[:b] = torch.where(stop, next_tokens, stop_token[:b])
+    active[:b] = mask.logical_not().logical_and(active[:b]) | (append & ~hit_length)
+    tokens[:b] = torch.where(append, next_tokens, tokens[:b])
+    positions[:b] += append.long()
 
 
 def greedy_commit_ref(logits, mask, eos_ids, ignore_eos, out, step_index, remaining, status, stop_token, active,
                       tokens, positions) -> torch.Tensor:
-    """Plain-torch reference: ``logits.argmax(-1)`` then the engine's ``commit_tokens``; returns the picks."""
-    from glmasr.engine.engine import commit_tokens
-
+    """Plain-torch reference: ``logits.argmax(-1)`` then ``commit_tokens``; returns the picks."""
     nxt = logits.argmax(-1)
     commit_tokens(nxt, mask[:logits.shape[0]], eos_ids, ignore_eos, out, step_index, remaining, status, stop_token,
                   active, tokens, positions)
     return nxt
 
 
-@triton.jit
-def _greedy_commit_kernel(LOGITS, sl, V, EOS, N_EOS, MASK, IGNORE, OUT, so, STEP, REMAINING, STATUS, STOP_TOKEN,
-                          ACTIVE, TOKENS, POSITIONS,
-                          BLOCK_V: tl.constexpr, V_ITERS: tl.constexpr, EOS_P2: tl.constexpr,
-                          STOPPED_C: tl.constexpr, LENGTH_C: tl.constexpr, PDL: tl.constexpr):
-    pdl_begin(PDL)
-    pdl_wait(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_V)
-    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_i = tl.full([BLOCK_V], 2147483647, tl.int32)
-    for it in range(V_ITERS):  # constexpr trip count (interpreter); lanes keep their first maximum
-        idx = it * BLOCK_V + offs
-        x = tl.load(LOGITS + b * sl + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-        better = x > best
-        best = tl.where(better, x, best)
-        best_i = tl.where(better, idx, best_i)
-    top = tl.max(best, axis=0)
-    tok = tl.min(tl.where(best == top, best_i, 2147483647), axis=0)
-    tok = tl.where(tok == 2147483647, 0, tok).to(tl.int64)  # all -inf: index 0, like torch.argmax
+if triton is not None:
+    @triton.jit
+    def _greedy_commit_kernel(LOGITS, sl, V, EOS, N_EOS, MASK, IGNORE, OUT, so, STEP, REMAINING, STATUS, STOP_TOKEN,
+                              ACTIVE, TOKENS, POSITIONS,
+                              BLOCK_V: tl.constexpr, V_ITERS: tl.constexpr, EOS_P2: tl.constexpr,
+                              STOPPED_C: tl.constexpr, LENGTH_C: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
+        pdl_wait(PDL)
+        b = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_V)
+        best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        best_i = tl.full([BLOCK_V], 2147483647, tl.int32)
+        for it in range(V_ITERS):  # constexpr trip count (interpreter); lanes keep their first maximum
+            idx = it * BLOCK_V + offs
+            x = tl.load(LOGITS + b * sl + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            better = x > best
+            best = tl.where(better, x, best)
+            best_i = tl.where(better, idx, best_i)
+        top = tl.max(best, axis=0)
+        tok = tl.min(tl.where(best == top, best_i, 2147483647), axis=0)
+        tok = tl.where(tok == 2147483647, 0, tok).to(tl.int64)  # all -inf: index 0, like torch.argmax
 
-    e = tl.arange(0, EOS_P2)
-    eos = tl.load(EOS + e, mask=e < N_EOS, other=-1)
-    is_eos = (tl.sum((eos == tok).to(tl.int32), axis=0) > 0) & (tl.load(IGNORE + b) == 0)
-    m = tl.load(MASK + b) != 0
-    stop = m & is_eos
-    append = m & (is_eos == 0)
-    step = tl.load(STEP)
-    tl.store(OUT + b * so + step, tl.where(append, tok, -1))
-    rem = tl.load(REMAINING + b) - append.to(tl.int64)
-    tl.store(REMAINING + b, rem)
-    hit = append & (rem <= 0)
-    st = tl.load(STATUS + b)
-    tl.store(STATUS + b, tl.where(stop, STOPPED_C, tl.where(hit, LENGTH_C, st)))
-    tl.store(STOP_TOKEN + b, tl.where(stop, tok, tl.load(STOP_TOKEN + b)))
-    act = tl.load(ACTIVE + b) != 0
-    tl.store(ACTIVE + b, ((act & (m == 0)) | (append & (hit == 0))).to(tl.int1))
-    tl.store(TOKENS + b, tl.where(append, tok, tl.load(TOKENS + b)))
-    tl.store(POSITIONS + b, tl.load(POSITIONS + b) + append.to(tl.int64))
+        e = tl.arange(0, EOS_P2)
+        eos = tl.load(EOS + e, mask=e < N_EOS, other=-1)
+        is_eos = (tl.sum((eos == tok).to(tl.int32), axis=0) > 0) & (tl.load(IGNORE + b) == 0)
+        m = tl.load(MASK + b) != 0
+        stop = m & is_eos
+        append = m & (is_eos == 0)
+        step = tl.load(STEP)
+        tl.store(OUT + b * so + step, tl.where(append, tok, -1))
+        rem = tl.load(REMAINING + b) - append.to(tl.int64)
+        tl.store(REMAINING + b, rem)
+        hit = append & (rem <= 0)
+        st = tl.load(STATUS + b)
+        tl.store(STATUS + b, tl.where(stop, STOPPED_C, tl.where(hit, LENGTH_C, st)))
+        tl.store(STOP_TOKEN + b, tl.where(stop, tok, tl.load(STOP_TOKEN + b)))
+        act = tl.load(ACTIVE + b) != 0
+        tl.store(ACTIVE + b, ((act & (m == 0)) | (append & (hit == 0))).to(tl.int1))
+        tl.store(TOKENS + b, tl.where(append, tok, tl.load(TOKENS + b)))
+        tl.store(POSITIONS + b, tl.load(POSITIONS + b) + append.to(tl.int64))
 
 
 def greedy_commit(logits, mask, eos_ids, ignore_eos, out, step_index, remaining, status, stop_token, active,
                   tokens, positions) -> None:
     """One launch: see the module docstring (the caller increments ``step_index`` afterwards)."""
+    if triton is None:
+        raise RuntimeError("greedy_commit needs Triton; use commit_tokens (plain torch) without it")
     check_device(logits, mask, eos_ids, out)
     b, v = logits.shape
     if logits.stride(1) != 1:
@@ -104,8 +135,6 @@ def greedy_commit(logits, mask, eos_ids, ignore_eos, out, step_index, remaining,
         raise ValueError("out must be (>= B, S) int64 with unit stride in S")
     if b == 0:
         return
-    from glmasr.engine.engine import LENGTH, STOPPED  # the engine's status codes
-
     block_v = 1024 if interpreting() else 4096
     _greedy_commit_kernel[(b,)](
         logits, logits.stride(0), v, eos_ids, eos_ids.numel(), mask, ignore_eos, out, out.stride(0), step_index,

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import glmasr  # noqa: E402
 from glmasr.api import teacher_forced_logits  # noqa: E402
-from glmasr.engine.kv_cache import KVCache  # noqa: E402
+from glmasr.models.kv_cache import KVCache  # noqa: E402
 from glmasr.random_checkpoint import ensure_full_size_checkpoint  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))

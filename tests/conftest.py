@@ -49,7 +49,7 @@ def noise(seconds: float, seed: int, rate: int = 16000, scale: float = 0.1) -> n
 def nan_kv_cache(monkeypatch):
     """``poison(asr)``: fill the KV cache of ``asr``'s engine (if built) and of every KVCache created from now on
     with NaN. Slots a sequence has not written must never reach a result."""
-    from glmasr.engine import kv_cache
+    from glmasr.models import kv_cache
 
     original_init = kv_cache.KVCache.__init__
 
@@ -61,7 +61,8 @@ def nan_kv_cache(monkeypatch):
     def poison(asr):
         monkeypatch.setattr(kv_cache.KVCache, "__init__", poisoned_init)
         if asr._engine is not None:
-            asr._engine.cache.k.fill_(float("nan"))
-            asr._engine.cache.v.fill_(float("nan"))
+            with torch.inference_mode():  # the engine may have grown its cache inside inference mode
+                asr._engine.runner.cache.k.fill_(float("nan"))
+                asr._engine.runner.cache.v.fill_(float("nan"))
 
     return poison

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import glmasr
-from glmasr.api import _prepare
 from glmasr.engine.engine import Engine
 from glmasr.engine.generate import GenerationRequest, greedy_generate
+from glmasr.options import DecodeOptions
+from glmasr.pipeline import prepare_requests
 
 from conftest import noise
 
@@ -19,10 +20,11 @@ BUDGETS = (5, 20, 3, 17, 20, 9, 12)
 
 
 def requests_for(asr, budgets=BUDGETS):
-    prep = _prepare(asr, [noise(s, 100 + i) for i, s in enumerate(SECONDS)], None, 20, 16000)
-    for r, b in zip(prep.requests, budgets):
+    reqs, _ = prepare_requests(asr, [noise(s, 100 + i) for i, s in enumerate(SECONDS)],
+                               DecodeOptions(max_new_tokens=20), 16000)
+    for r, b in zip(reqs, budgets):
         r.max_new_tokens = b
-    return prep.requests
+    return reqs
 
 
 def same(a, b):
@@ -83,15 +85,30 @@ def test_streaming_deltas_add_up_to_the_transcript(eos_asr):
         assert pieces[i] == r.text
 
 
-def test_capacity_and_budget_errors(tiny_asr):
+def test_position_and_budget_errors(tiny_asr):
     reqs = requests_for(tiny_asr)
-    with pytest.raises(ValueError, match="capacity"):
-        list(Engine(tiny_asr.model, max_batch=2, capacity=64).run(reqs))
+    engine = Engine(tiny_asr.model, max_batch=2)
+    limit = tiny_asr.config.text.max_position_embeddings
+    too_long = GenerationRequest(reqs[0].prompt_embeds, limit)
+    with pytest.raises(ValueError, match=f"positions .*more than the model's {limit}"):
+        engine.generate([too_long])
     bad = [GenerationRequest(reqs[0].prompt_embeds, 0)]
     with pytest.raises(ValueError, match="max_new_tokens"):
-        list(Engine(tiny_asr.model, max_batch=2).run(bad))
+        engine.generate(bad)
+    assert not engine.has_unfinished(), "a refused request leaves nothing behind"
     with pytest.raises(ValueError, match="max_batch"):
         Engine(tiny_asr.model, max_batch=0)
+
+
+def test_kv_capacity_grows_with_a_longer_request(tiny_asr):
+    """The KV cache starts small and grows (contents copied) when a longer sequence arrives mid-run."""
+    reqs = requests_for(tiny_asr, budgets=(30, 6, 40, 5, 50, 9, 12))
+    ref = greedy_generate(tiny_asr.model, reqs, tiny_asr.config.text.eos_token_ids)
+    engine = Engine(tiny_asr.model, max_batch=2, sync_every=4)
+    start = engine.runner.capacity
+    got = engine.generate(reqs)
+    assert same(got, ref)
+    assert engine.runner.capacity > start
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
@@ -104,16 +121,16 @@ def test_engine_on_the_triton_path(tiny_shipped):
     fast = FastGlmAsrModel(glmasr.load(tiny_shipped, device=dev, dtype="float32", backend="torch").model)
     reqs = requests_for(ref, budgets=(6, 4, 3, 5, 6, 2, 4))
     expected = greedy_generate(ref.model, reqs, ref.config.text.eos_token_ids)
-    got = Engine(fast, max_batch=3, sync_every=3, use_graphs=False).generate(reqs)
+    got = Engine(fast, max_batch=3, sync_every=3, cuda_graphs=False).generate(reqs)
     assert same(got, expected)
     if torch.cuda.is_available():  # the same with every decode step replayed from a CUDA graph
-        graphed = Engine(fast, max_batch=3, sync_every=3, use_graphs=True)
+        graphed = Engine(fast, max_batch=3, sync_every=3, cuda_graphs=True, prefill_graphs=False)
         assert same(graphed.generate(reqs), expected)
-        assert graphed.graphs, "decode steps were captured"
+        assert graphed.runner.graphs, "decode steps were captured"
         # single-request prefills replayed from graphs (max_batch=1 admits one request per round)
-        prefill_graphed = Engine(fast, max_batch=1, sync_every=3, use_graphs=True, prefill_graphs=True)
+        prefill_graphed = Engine(fast, max_batch=1, sync_every=3, cuda_graphs=True, prefill_graphs=True)
         assert same(prefill_graphed.generate(reqs), expected)
-        assert prefill_graphed._prefill_graphs, "prefills were captured"
+        assert prefill_graphed.runner._prefill_graphs, "prefills were captured"
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
@@ -129,7 +146,7 @@ def test_engine_with_skinny_decode_gemms(tiny_shipped):
                            decode_gemm="skinny")
     reqs = requests_for(ref, budgets=(5, 4, 3, 5, 2, 2, 4))
     expected = greedy_generate(ref.model, reqs, ref.config.text.eos_token_ids)
-    got = Engine(fast, max_batch=4, sync_every=3, use_graphs=torch.cuda.is_available()).generate(reqs)
+    got = Engine(fast, max_batch=4, sync_every=3, cuda_graphs=torch.cuda.is_available()).generate(reqs)
     assert same(got, expected)
     with pytest.raises(ValueError, match="decode_gemm"):
         FastGlmAsrModel(ref.model, decode_gemm="cutlass")

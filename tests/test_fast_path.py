@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import glmasr
-from glmasr.api import teacher_forced_logits
+from glmasr.oracle import teacher_forced_logits
 
 from conftest import noise
 
@@ -128,7 +128,7 @@ def test_pdl_decode_step_in_graph_equals_plain_launches(tiny_shipped):
     """One decode step (skinny GEMVs, RMSNorm, RoPE+append, split-KV attention) captured in a CUDA graph with
     programmatic dependent launch equals the same step launched eagerly without PDL, bit for bit (same kernels,
     same arithmetic: PDL only changes when a kernel may start, so any difference is a missed wait)."""
-    from glmasr.engine.kv_cache import KVCache
+    from glmasr.models.kv_cache import KVCache
     from glmasr.models.fast import FastGlmAsrModel
     from glmasr_kernels import _triton_utils
 

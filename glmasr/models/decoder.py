@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import TextDecoderConfig
-from ..engine.kv_cache import KVCache
+from .kv_cache import KVCache
 from .layers import RotaryTable, apply_rope, rms_norm, swiglu
 
 

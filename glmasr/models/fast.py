@@ -39,7 +39,7 @@ from glmasr_kernels.layernorm import layer_norm
 from glmasr_kernels.rmsnorm import rms_norm
 from glmasr_kernels.rope import build_rope_cache, rope_, rope_and_append
 
-from ..engine.kv_cache import KVCache
+from .kv_cache import KVCache
 from .glmasr import GlmAsrModel
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..config import GlmAsrConfig
-from ..engine.kv_cache import KVCache
+from .kv_cache import KVCache
 from .decoder import TextDecoder
 from .encoder import AudioEncoder
 from .projector import AudioProjector

@@ -1,0 +1,261 @@
+"""One thread owns the engine (and so the GPU); any number of callers, in any thread or in asyncio code,
+submit requests to it and iterate their streams.
+
+    loop = EngineLoop(engine)
+    stream = loop.submit(plans, ignore_eos=False)     # from any thread; returns at once
+    for out in stream: ...                             # SequenceOutputs of this request, then it ends
+    async for out in stream: ...                       # the same from a coroutine
+    stream.close()                                     # or loop.abort(stream.request_id): frees its slots
+
+The loop sleeps while there is nothing to do. Each iteration takes the new requests and aborts, then runs one
+``Engine.step`` and hands each output to its request's stream. A request the engine refuses (``add_request``
+raises) fails alone, with that error, on its stream. An error inside a step (a device fault) fails every request
+in the engine with an ``EngineError`` carrying the cause, and the engine is reset so that later requests run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections import deque
+from concurrent.futures import Future
+
+import torch
+
+from .engine import Engine, SequenceOutput
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (not the request's own fault)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine loop was shut down."""
+
+
+_END = object()
+
+
+class RequestStream:
+    """The outputs of one request, for one consumer: iterate it (blocking) or ``async for`` it."""
+
+    def __init__(self, request_id: int, loop: "EngineLoop"):
+        self.request_id = request_id
+        self._loop = loop
+        self._items: deque = deque()
+        self._cv = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self.finished = False  # the engine is done with it (completed, failed or aborted)
+        self._closed = False  # the consumer has taken its end (or closed it)
+        self._listener = None
+
+    # producer side (the loop's thread)
+    def _put(self, item) -> None:
+        with self._cv:
+            self._items.append(item)
+            if item is _END or isinstance(item, BaseException):
+                self.finished = True
+            self._cv.notify_all()
+            waiters, self._waiters = self._waiters, []
+            listener = self._listener
+        for aloop, fut in waiters:
+            aloop.call_soon_threadsafe(_wake, fut)
+        if listener is not None:
+            listener()
+
+    def set_listener(self, fn) -> None:
+        """Call ``fn()`` (on the engine's thread) whenever an item arrives, and once now."""
+        with self._cv:
+            self._listener = fn
+        fn()
+
+    def poll(self) -> list[SequenceOutput]:
+        """The outputs available now, without waiting (raises the request's error once it is next)."""
+        items = []
+        with self._cv:
+            while self._items:
+                try:
+                    items.append(self._take())
+                except StopIteration:
+                    break
+                except BaseException:
+                    if items:
+                        break
+                    raise
+        return items
+
+    @property
+    def exhausted(self) -> bool:
+        """The consumer has reached the end."""
+        return self._closed
+
+    # consumer side
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> SequenceOutput:
+        with self._cv:
+            while not self._items:
+                self._cv.wait()
+            return self._take()
+
+    def _take(self):
+        item = self._items[0]
+        if item is _END or isinstance(item, BaseException):
+            self._closed = True
+            if isinstance(item, BaseException):
+                raise item
+            raise StopIteration
+        self._items.popleft()
+        return item
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> SequenceOutput:
+        while True:
+            with self._cv:
+                if self._items:
+                    try:
+                        return self._take()
+                    except StopIteration:
+                        raise StopAsyncIteration from None
+                fut = asyncio.get_running_loop().create_future()
+                self._waiters.append((asyncio.get_running_loop(), fut))
+            await fut
+
+    def close(self) -> None:
+        """Stop consuming: an unfinished request is aborted (its slots are freed at the next round)."""
+        if not self.finished:
+            self._loop.abort(self.request_id)
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, name: str = "glmasr-engine"):
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._inbox: deque = deque()
+        self._aborts: set[int] = set()
+        self._streams: dict[int, RequestStream] = {}
+        self._calls: deque = deque()  # (fn, Future): run on this thread once the engine is idle
+        self._ids = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, plans=None, *, ignore_eos: bool = False, prompt_embeds=None, max_new_tokens=None
+               ) -> RequestStream:
+        with self._cv:
+            if self._closed:
+                raise EngineClosed("the engine loop is shut down")
+            rid = next(self._ids)
+            stream = RequestStream(rid, self)
+            self._streams[rid] = stream
+            self._inbox.append((rid, dict(plans=plans, ignore_eos=ignore_eos, prompt_embeds=prompt_embeds,
+                                          max_new_tokens=max_new_tokens)))
+            self._cv.notify()
+        return stream
+
+    def abort(self, request_id: int) -> None:
+        with self._cv:
+            if request_id in self._streams:
+                self._aborts.add(request_id)
+                self._cv.notify()
+
+    def call(self, fn) -> Future:
+        """Run ``fn(engine)`` on the engine's thread as soon as the engine is idle (e.g. a warm-up); new requests
+        wait until it returns. The future has its result or its exception."""
+        fut: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise EngineClosed("the engine loop is shut down")
+            self._calls.append((fn, fut))
+            self._cv.notify()
+        return fut
+
+    @property
+    def num_pending(self) -> int:
+        """Requests submitted and not yet finished (queued or running)."""
+        with self._cv:
+            return len(self._streams)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish the requests in hand, then stop the thread; later submits raise ``EngineClosed``."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # ---- the loop's thread ----
+    def _run(self) -> None:
+        engine = self.engine
+        device = engine.model.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        while True:
+            with self._cv:
+                while (not self._inbox and not self._aborts and not self._calls and not engine.has_unfinished()
+                       and not self._closed):
+                    self._cv.wait()
+                if self._closed and not self._inbox and not self._calls and not engine.has_unfinished():
+                    return
+                call = self._calls.popleft() if self._calls and not engine.has_unfinished() else None
+                inbox = deque()
+                if not self._calls:  # a pending call waits for an idle engine: hold new requests back
+                    inbox, self._inbox = self._inbox, deque()
+                aborts, self._aborts = self._aborts, set()
+            if call is not None:
+                fn, fut = call
+                try:
+                    fut.set_result(fn(engine))
+                except BaseException as e:
+                    fut.set_exception(e)
+                continue
+            for rid, kwargs in inbox:
+                if rid in aborts:
+                    self._end(rid, _END)
+                    continue
+                try:
+                    engine.add_request(request_id=rid, **kwargs)
+                except Exception as e:  # this request's own problem: it fails alone
+                    self._end(rid, e)
+            for rid in aborts:
+                engine.abort(rid)
+                self._end(rid, _END)
+            if not engine.has_unfinished():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a device fault or a bug: fail what was in flight, keep serving
+                for rid in engine.reset():
+                    err = EngineError(f"the engine failed while decoding request {rid} ({type(e).__name__}: {e})")
+                    err.__cause__ = e
+                    self._end(rid, err)
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                stream._put(out)
+                if out.request_finished:
+                    self._end(out.request_id, _END)
+
+    def _end(self, rid: int, item) -> None:
+        with self._cv:
+            stream = self._streams.pop(rid, None)
+        if stream is not None:
+            stream._put(item)

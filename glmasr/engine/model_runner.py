@@ -1,0 +1,299 @@
+"""Device side of the engine: the KV cache, the per-slot state tensors, encoder calls, prefill and the decode
+steps (CUDA graphs per batch and KV-length bucket), the sync-free read-back, warm-up.
+
+- **Slot state** on the device: the last token, its position, an active flag, the remaining budget, ignore_eos,
+  why it finished, and a small output buffer of ``sync_every`` columns. A decode step for the first ``b`` slots
+  (embed, all decoder layers, lm head, greedy argmax, eos/budget bookkeeping, append to the buffer) is one
+  function, captured once per (batch bucket, KV-length bucket) and replayed; nothing in it syncs the host.
+- **Prefill** of newly admitted sequences: one right-padded forward pass from slot 0 of each cache row (a CUDA
+  graph per prompt-length bucket for a single sequence); its argmax goes through the same bookkeeping.
+- **Read-back**: after a round, the output buffer and the status go to pinned host memory with a non-blocking
+  copy and an event; ``finish_readback`` waits for that event only, so encoder work enqueued after the round
+  keeps the GPU busy while the host handles the round.
+- **KV capacity** grows by powers of two when a longer sequence is admitted (the cache is copied, the graphs are
+  recaptured), so a short-audio workload does not hold 8192 positions per slot.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from glmasr_kernels.greedy_commit import RUNNING, commit_tokens
+
+from .. import cuda_graphs
+from ..device import host_to_device
+from ..models.kv_cache import KVCache
+from ..pipeline import encode_groups
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+MIN_KV_BUCKET = 256
+MIN_CAPACITY = {"cuda": 1024, "cpu": 256}
+
+
+def bucket(n: int, buckets) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    return buckets[-1]
+
+
+def kv_bucket(n: int, capacity: int) -> int:
+    b = MIN_KV_BUCKET
+    while b < n:
+        b *= 2
+    return min(b, capacity)
+
+
+class ModelRunner:
+    """Runs a loaded model (``GlmAsrModel`` or ``FastGlmAsrModel``) for the engine; see the module docstring."""
+
+    def __init__(self, model, options, frontend: str = "torch", capacity: int | None = None):
+        cfg = model.cfg.text
+        self.model = model
+        self.cfg = model.cfg
+        self.device = model.device
+        self.frontend = frontend
+        self.options = options
+        self.max_batch = n = options.max_batch
+        self.sync_every = options.sync_every
+        self.buckets = tuple(b for b in BATCH_BUCKETS if b < n) + (n,)
+        self.use_graphs = options.cuda_graphs and self.device.type == "cuda"
+        self.prefill_graphs = options.prefill_graphs and self.use_graphs
+        self.max_positions = cfg.max_position_embeddings
+        start = capacity or MIN_CAPACITY["cuda" if self.device.type == "cuda" else "cpu"]
+        self.capacity = min(start, self.max_positions)
+        self.cache = KVCache(cfg, n, self.capacity, self.device, model.dtype)
+        dev = self.device
+        self.tokens = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)  # slot of the token in ``tokens``
+        self.active = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.remaining = torch.zeros(n, dtype=torch.long, device=dev)
+        self.ignore_eos = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.status = torch.zeros(n, dtype=torch.long, device=dev)
+        self.stop_token = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.out = torch.full((n, self.sync_every), -1, dtype=torch.long, device=dev)
+        self.step_index = torch.zeros(1, dtype=torch.long, device=dev)
+        self.eos_ids = torch.tensor(sorted(set(cfg.eos_token_ids)), dtype=torch.long, device=dev)
+        cuda = dev.type == "cuda"
+        self._host = torch.empty((n, self.sync_every + 2), dtype=torch.long, pin_memory=cuda)
+        self._readback_event = torch.cuda.Event() if cuda else None
+        self._readback_steps = 0
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._prefill_graphs: dict[int, tuple] = {}
+        self.pool = cuda_graphs.GraphPool()
+        # The Triton decoder path fuses the step's argmax and bookkeeping into one kernel (~30 launches less).
+        self.fused_commit = bool(getattr(model, "uses_triton", False))
+
+    # ---- encoder ----
+    def encode(self, plans) -> tuple[list[torch.Tensor], dict]:
+        """Prompt embeddings of window groups; enqueued without a host sync. Returns them and the timing
+        ({"features_s": host packing seconds, "events": (start, end) CUDA events or "encoder_s" on the CPU})."""
+        t0 = time.perf_counter()
+        events = None
+        if self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        embeds, packing_s = encode_groups(self.model, self.frontend, plans, self.options.encoder_chunk,
+                                          self.cfg.audio_token_id, self.cfg.audio.num_mel_bins)
+        timing = {"features_s": packing_s}
+        if events is not None:
+            events[1].record()
+            timing["events"] = events
+        else:
+            timing["encoder_s"] = time.perf_counter() - t0
+        return embeds, timing
+
+    # ---- KV capacity ----
+    def ensure_capacity(self, need: int) -> None:
+        """Grow the KV cache to hold ``need`` positions per slot (a power of two; contents kept)."""
+        if need <= self.capacity:
+            return
+        if need > self.max_positions:
+            raise ValueError(f"a sequence needs {need} positions, more than the model's {self.max_positions}")
+        cap = self.capacity
+        while cap < need:
+            cap *= 2
+        cap = min(cap, self.max_positions)
+        old = self.cache
+        new = KVCache(self.cfg.text, self.max_batch, cap, self.device, self.model.dtype)
+        new.k[..., : old.capacity, :].copy_(old.k)
+        new.v[..., : old.capacity, :].copy_(old.v)
+        self.cache, self.capacity = new, cap
+        del old
+        self.drop_graphs()
+
+    def drop_graphs(self) -> None:
+        self.graphs.clear()
+        self._prefill_graphs.clear()
+        self.pool.reset()
+
+    # ---- bookkeeping shared by prefill and decode ----
+    def _state(self) -> dict:
+        return dict(eos_ids=self.eos_ids, ignore_eos=self.ignore_eos, out=self.out, step_index=self.step_index,
+                    remaining=self.remaining, status=self.status, stop_token=self.stop_token, active=self.active,
+                    tokens=self.tokens, positions=self.positions)
+
+    def begin_round(self) -> None:
+        self.step_index.zero_()
+        self.out.fill_(-1)
+
+    def deactivate(self, slots: list[int]) -> None:
+        """Stop decoding these slots (an aborted request); enqueued, no sync."""
+        if slots:
+            self.active.index_fill_(0, host_to_device(slots, self.device), False)
+
+    def reset(self) -> None:
+        """All slots idle (after an error)."""
+        self.active.zero_()
+        self.status.zero_()
+
+    # ---- prefill ----
+    def prefill(self, slots: list[int], embeds: list[torch.Tensor], budgets: list[int],
+                ignore_eos: list[bool]) -> None:
+        # Nothing here waits for the GPU (index lists go through pinned memory, scalars through index_fill_;
+        # ``t[idx] = python_scalar`` would copy the scalar to the GPU synchronously), so on the latency path the
+        # prefill and the first decode round are enqueued while the encoder still runs.
+        dev = self.device
+        lengths = [int(e.shape[0]) for e in embeds]
+        longest = max(lengths)
+        rows = host_to_device(slots, dev)
+        lengths_t = host_to_device(lengths, dev)
+        bkt = bucket(longest, PREFILL_BUCKETS)
+        if self.prefill_graphs and len(embeds) == 1 and longest <= bkt <= self.capacity:
+            first = self._graphed_prefill(bkt, embeds[0], lengths[0], slots[0])
+        else:
+            batch = torch.zeros(len(embeds), longest, embeds[0].shape[1], device=dev, dtype=self.model.dtype)
+            for i, e in enumerate(embeds):
+                batch[i, : lengths[i]] = e
+            positions = torch.arange(longest, device=dev).expand(len(embeds), longest)
+            hidden = self.model.decode(batch, positions, self.cache, kv_len=longest, rows=rows)
+            first = self.model.logits(hidden[torch.arange(len(embeds), device=dev), lengths_t - 1]).argmax(-1)
+        # Scatter into a full-width step result and commit only the admitted slots.
+        b = max(slots) + 1
+        next_tokens = torch.zeros(b, dtype=torch.long, device=dev)
+        next_tokens[rows] = first
+        mask = torch.zeros(b, dtype=torch.bool, device=dev).index_fill_(0, rows, True)
+        self.positions[rows] = lengths_t - 1  # commit moves it to the first generated token's slot
+        self.remaining[rows] = host_to_device(budgets, dev)
+        for flag in (False, True):
+            chosen = [s for s, f in zip(slots, ignore_eos) if f == flag]
+            if chosen:
+                self.ignore_eos.index_fill_(0, host_to_device(chosen, dev), flag)
+        self.status.index_fill_(0, rows, RUNNING)
+        self.stop_token.index_fill_(0, rows, -1)
+        commit_tokens(next_tokens, mask, **self._state())
+        self.step_index += 1
+
+    def _graphed_prefill(self, bkt: int, embeds: torch.Tensor, length: int, slot: int) -> torch.Tensor:
+        """Prefill one prompt, right-padded to ``bkt`` positions, from a CUDA graph; returns its first token.
+        The padding writes KV slots [length, bkt) of the row, which decoding overwrites before it reads them."""
+        entry = self._prefill_graphs.get(bkt)
+        if entry is None:
+            dev = self.device
+            static = {"embeds": torch.zeros(1, bkt, embeds.shape[-1], device=dev, dtype=self.model.dtype),
+                      "last": torch.zeros(1, dtype=torch.long, device=dev),
+                      "row": torch.zeros(1, dtype=torch.long, device=dev),
+                      "positions": torch.arange(bkt, device=dev)[None],
+                      "first": torch.zeros(1, dtype=torch.long, device=dev)}
+
+            def run():
+                hidden = self.model.decode(static["embeds"], static["positions"], self.cache, kv_len=bkt,
+                                           rows=static["row"])
+                static["first"].copy_(self.model.logits(hidden[0].index_select(0, static["last"])).argmax(-1))
+
+            static["row"].fill_(slot)  # warm-up writes go to the row being admitted, which the replay rewrites
+            graph, _ = cuda_graphs.capture(run, dev, self.pool.handle)
+            entry = self._prefill_graphs[bkt] = (graph, static)
+        graph, static = entry
+        static["embeds"][0, :length] = embeds[:length]
+        static["embeds"][0, length:].zero_()
+        static["last"].fill_(length - 1)
+        static["row"].fill_(slot)
+        graph.replay()
+        return static["first"].clone()
+
+    # ---- decode ----
+    def _decode_step(self, b: int, kv_len: int) -> None:
+        model = self.model
+        hidden = model.decode(model.embed_tokens(self.tokens[:b])[:, None], self.positions[:b, None], self.cache,
+                              kv_len=kv_len)
+        logits = model.logits(hidden[:, 0], upcast=not self.fused_commit)
+        if self.fused_commit:
+            from glmasr_kernels.greedy_commit import greedy_commit
+
+            greedy_commit(logits, self.active[:b], **self._state())  # argmax + bookkeeping, one launch
+        else:
+            commit_tokens(logits.argmax(-1), self.active[:b], **self._state())
+        self.step_index += 1
+
+    def decode(self, b: int, top_position: int, steps: int) -> None:
+        """``steps`` decode steps over slots [0, b); ``top_position`` bounds every position they reach."""
+        b = bucket(b, self.buckets)
+        kv_len = kv_bucket(top_position, self.capacity)
+        if not self.use_graphs:
+            for _ in range(steps):
+                self._decode_step(b, kv_len)
+            return
+        graph = self.graphs.get((b, kv_len))
+        if graph is None:
+            graph = self._capture_decode(b, kv_len)
+        for _ in range(steps):
+            graph.replay()
+
+    def _capture_decode(self, b: int, kv_len: int) -> "torch.cuda.CUDAGraph":
+        # The warm-up steps really run: save the slot state and restore it afterwards; each warm-up step writes
+        # output column 0.
+        state = (self.tokens, self.positions, self.active, self.remaining, self.status, self.stop_token, self.out,
+                 self.step_index)
+        saved = [t.clone() for t in state]
+        graph, _ = cuda_graphs.capture(lambda: self._decode_step(b, kv_len), self.device, self.pool.handle,
+                                       warmup=2, before_warmup=self.step_index.zero_)
+        for t, s in zip(state, saved):
+            t.copy_(s)
+        self.graphs[(b, kv_len)] = graph
+        return graph
+
+    # ---- read-back ----
+    def start_readback(self, steps: int) -> None:
+        """Copy the round's tokens and every slot's status/stop token to pinned host memory (enqueued)."""
+        state = torch.cat([self.out[:, :steps], self.status[:, None], self.stop_token[:, None]], 1)
+        self._host[:, : steps + 2].copy_(state, non_blocking=self._readback_event is not None)
+        if self._readback_event is not None:
+            self._readback_event.record()
+        self._readback_steps = steps
+
+    def finish_readback(self) -> tuple[int, list[list[int]]]:
+        """Wait for the round's copy; (steps, rows): row s = s's tokens of the round, then status, stop token."""
+        if self._readback_event is not None:
+            self._readback_event.synchronize()
+        steps = self._readback_steps
+        return steps, self._host[:, : steps + 2].tolist()
+
+    # ---- warm-up ----
+    def warmup(self, batch_sizes=None, kv_lens=None, prefill_lengths=None) -> dict:
+        """Capture the decode graphs for ``batch_sizes`` x ``kv_lens`` buckets and the prefill graphs for
+        ``prefill_lengths`` buckets now (compiling their kernels), so no request pays for it; ms per stage."""
+        timings = {}
+        if not self.use_graphs:
+            return timings
+        t0 = time.perf_counter()
+        for bkt in sorted({bucket(n, PREFILL_BUCKETS) for n in (prefill_lengths or ())}):
+            if bkt <= self.capacity and self.prefill_graphs and bkt not in self._prefill_graphs:
+                dummy = torch.zeros(1, self.cfg.text.hidden_size, device=self.device, dtype=self.model.dtype)
+                saved = [t.clone() for t in (self.tokens, self.positions, self.active, self.remaining, self.status)]
+                self._graphed_prefill(bkt, dummy.expand(bkt, -1), bkt, 0)
+                for t, s in zip((self.tokens, self.positions, self.active, self.remaining, self.status), saved):
+                    t.copy_(s)
+        torch.cuda.synchronize(self.device)
+        timings["prefill_graphs_ms"] = 1e3 * (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for b in sorted({bucket(n, self.buckets) for n in (batch_sizes or (1,))}):
+            for kv in sorted({kv_bucket(n, self.capacity) for n in (kv_lens or (MIN_KV_BUCKET,))}):
+                if (b, kv) not in self.graphs:
+                    self._capture_decode(b, kv)
+        torch.cuda.synchronize(self.device)
+        timings["decode_graphs_ms"] = 1e3 * (time.perf_counter() - t0)
+        return timings

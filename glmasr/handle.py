@@ -1,0 +1,243 @@
+"""The model handle: ``load`` a checkpoint into a ``GlmAsr``, which owns one engine and the thread that runs it.
+
+Every entry point (``transcribe``, ``transcribe_stream``, the CLI, a server) is a client of the handle's
+``EngineLoop``: audio is loaded, checked and planned in the caller's thread (``submit``), the engine thread does
+all the device work, and the caller assembles its text from its request's stream. So any number of threads (or
+coroutines) can share one loaded model and each gets exactly what it would get alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from .audio import Audio, load_audio
+from .config import GlmAsrConfig
+from .device import resolve_device, resolve_dtype
+from .engine.engine import Engine
+from .engine.loop import EngineLoop
+from .models.glmasr import GlmAsrModel
+from .options import DecodeOptions, EngineOptions
+from .pipeline import plan_audio
+from .results import Transcription, TranscriptDelta
+from .tokenizer import PromptBuilder
+from .transcript import TranscriptAssembler
+from .weights import DEFAULT_MODEL_ID, load_state_dict, read_config, resolve_checkpoint
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+class GlmAsr:
+    """A loaded checkpoint (config, model, prompt builder, device, dtype) and its shared engine."""
+
+    def __init__(self, config: GlmAsrConfig, model, prompts: PromptBuilder, folder: Path, frontend: str = "torch",
+                 options: EngineOptions | None = None, load_timings: dict | None = None):
+        self.config = config
+        self.model = model  # GlmAsrModel (plain torch) or FastGlmAsrModel (Triton kernels)
+        self.prompts = prompts
+        self.folder = folder
+        self.frontend = frontend  # "torch" (features.py) or "cuda" (fused cuFFTDx kernel, kernels/logmel)
+        self.options = (options or EngineOptions()).resolved(model.device.type)
+        self.load_timings = load_timings or {}
+        self._engine: Engine | None = None
+        self._loop: EngineLoop | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def __repr__(self) -> str:
+        return (f"GlmAsr(folder={str(self.folder)!r}, device={self.device}, dtype={self.dtype}, "
+                f"model={type(self.model).__name__}, frontend={self.frontend!r}, max_batch={self.options.max_batch})")
+
+    # ---- the engine ----
+    @property
+    def engine(self) -> Engine:
+        with self._lock:
+            if self._engine is None:
+                self._engine = Engine(self.model, self.options, self.frontend)
+            return self._engine
+
+    @property
+    def loop(self) -> EngineLoop:
+        engine = self.engine
+        with self._lock:
+            if self._loop is None:
+                self._loop = EngineLoop(engine)
+            return self._loop
+
+    def reconfigure(self, **options) -> None:
+        """New engine options (e.g. ``max_batch``): waits for the requests in hand, then rebuilds the engine."""
+        new = dataclasses.replace(self.options, **options).resolved(self.device.type)
+        if new == self.options:
+            return
+        self.close()
+        with self._lock:
+            self.options = new
+
+    def close(self) -> None:
+        """Finish the requests in hand and stop the engine thread (a later request starts a new one)."""
+        with self._lock:
+            loop, self._loop, self._engine = self._loop, None, None
+        if loop is not None:
+            loop.close()
+
+    def warmup(self, batch_sizes=None, kv_lens=(256, 512, 1024), prefill_lengths=(64, 128, 256, 512, 1024)
+               ) -> dict:
+        """Compile every kernel and capture the CUDA graphs a server needs before it answers: one short request
+        end to end (frontend, encoder, prefill, decode), then the decode graphs for ``batch_sizes`` (default:
+        every batch bucket up to max_batch) x ``kv_lens`` and the prefill graphs for ``prefill_lengths``.
+        Returns ms per stage. Runs on the engine thread when it is idle."""
+        import numpy as np
+
+        t0 = time.perf_counter()
+        noise = (np.random.default_rng(0).standard_normal(16000) * 0.1).astype(np.float32)
+        self.submit(noise, DecodeOptions(max_new_tokens=16, ignore_eos=True), sampling_rate=16000).result()
+        timings = {"first_request_ms": 1e3 * (time.perf_counter() - t0)}
+        if batch_sizes is None:
+            batch_sizes = self.engine.runner.buckets
+        timings.update(self.loop.call(lambda eng: eng.warmup(batch_sizes=batch_sizes, kv_lens=kv_lens,
+                                                             prefill_lengths=prefill_lengths)).result())
+        timings["total_ms"] = 1e3 * (time.perf_counter() - t0)
+        return timings
+
+    # ---- requests ----
+    def submit(self, audio, decode: DecodeOptions | None = None, sampling_rate: int | None = None,
+               index: int = 0) -> "TranscriptionJob":
+        """Load and plan one audio in this thread, queue it on the engine; returns at once."""
+        decode = decode or DecodeOptions()
+        t0 = time.perf_counter()
+        a = audio if isinstance(audio, Audio) else load_audio(audio, sampling_rate)
+        return self.submit_loaded(a, decode, index, t0, 1e3 * (time.perf_counter() - t0))
+
+    def submit_loaded(self, audio: Audio, decode: DecodeOptions, index: int = 0, t_start: float | None = None,
+                      audio_ms: float = 0.0) -> "TranscriptionJob":
+        t_start = time.perf_counter() if t_start is None else t_start
+        plans = plan_audio(audio, self.prompts, self.config, decode)
+        assembler = TranscriptAssembler(self.prompts, plans, audio.duration_s, sum(p.num_windows for p in plans),
+                                        index, t_start, audio_ms)
+        stream = self.loop.submit(plans, ignore_eos=decode.ignore_eos)
+        return TranscriptionJob(stream, assembler)
+
+
+class TranscriptionJob:
+    """One submitted audio: iterate ``deltas()`` (or ``async for`` over ``adeltas()``) for streamed text, or
+    wait for ``result()``; ``abort()`` (or closing the delta iterator early) frees its engine slots."""
+
+    def __init__(self, stream, assembler: TranscriptAssembler):
+        self.stream = stream
+        self.assembler = assembler
+
+    @property
+    def request_id(self) -> int:
+        return self.stream.request_id
+
+    def deltas(self):
+        try:
+            for out in self.stream:
+                yield from self.assembler.feed(out)
+        finally:
+            self.stream.close()  # no-op once finished; an abandoned iteration aborts the request
+
+    async def adeltas(self):
+        try:
+            async for out in self.stream:
+                for d in self.assembler.feed(out):
+                    yield d
+        finally:
+            self.stream.close()
+
+    def poll(self) -> list[TranscriptDelta]:
+        """The deltas available now, without waiting; ``done`` once the last one was taken."""
+        return [d for out in self.stream.poll() for d in self.assembler.feed(out)]
+
+    @property
+    def done(self) -> bool:
+        return self.stream.exhausted
+
+    def result(self) -> Transcription:
+        for _ in self.deltas():
+            pass
+        return self._final()
+
+    async def aresult(self) -> Transcription:
+        async for _ in self.adeltas():
+            pass
+        return self._final()
+
+    def _final(self) -> Transcription:
+        if self.assembler.result is None:  # the stream ended without its last output: it was aborted
+            raise RuntimeError(f"request {self.request_id} was aborted")
+        return self.assembler.result
+
+    def abort(self) -> None:
+        self.stream.close()
+
+
+def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, backend: str = "auto",
+         warmup: bool = False, **engine_options) -> GlmAsr:
+    """Load a GLM-ASR checkpoint (local folder or hub id) onto ``device`` (default: CUDA if present) in
+    ``dtype`` (default: bf16 on CUDA, fp32 on CPU). ``backend``: "torch" (plain-PyTorch reference path),
+    "triton" (Triton kernels + fused weight cache, CUDA only) or "auto" (triton on CUDA, torch on CPU).
+    ``engine_options``: fields of ``EngineOptions`` (max_batch, encoder_chunk, ...), over ``GLMASR_*``
+    variables. ``warmup=True`` compiles the kernels and captures the graphs now (``GlmAsr.warmup``).
+    ``load_timings`` on the result has ms per stage."""
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        timings[name] = timings.get(name, 0.0) + 1e3 * (now - t)
+        t = now
+
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: use one of {BACKENDS}")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    options = EngineOptions.from_env(**engine_options)
+    if backend == "triton" and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 for CPU testing), got {dev}")
+    folder = resolve_checkpoint(model)
+    cfg = read_config(folder)
+    lap("config_ms")
+    prompts = PromptBuilder.from_folder(folder, cfg.audio_token_id)
+    lap("tokenizer_ms")
+    with torch.device("meta"):
+        net = GlmAsrModel(cfg)
+    state = load_state_dict(folder, net, dev, dt)
+    net.load_state_dict(state, strict=True, assign=True)
+    net.eval().requires_grad_(False)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    lap("weights_ms")
+    frontend = "torch"
+    if backend == "triton" or (backend == "auto" and dev.type == "cuda"):
+        from glmasr_kernels import _triton_utils
+
+        from .models.fast import FastGlmAsrModel
+
+        _triton_utils.set_pdl(options.pdl)
+        net = FastGlmAsrModel(net, encoder_graphs=options.encoder_graphs, decode_gemm=options.decode_gemm)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        lap("weight_fusion_ms")
+        if dev.type == "cuda":
+            from glmasr_kernels.logmel import is_available
+
+            frontend = "cuda" if is_available() else "torch"
+            lap("frontend_check_ms")
+    asr = GlmAsr(cfg, net, prompts, folder, frontend, options, timings)
+    if warmup:
+        timings.update({f"warmup_{k}": v for k, v in asr.warmup().items()})
+    return asr

@@ -1,0 +1,127 @@
+"""Options: the engine's knobs (one dataclass, the one place ``GLMASR_*`` environment variables are read) and
+the per-request decoding options, each validated before any model work.
+
+Environment variables (each overrides the default; an explicit argument overrides the variable):
+
+| variable | option | meaning |
+|---|---|---|
+| GLMASR_MAX_BATCH | max_batch | sequence slots of the engine (default 64 on CUDA, 8 on the CPU) |
+| GLMASR_ENCODER_CHUNK | encoder_chunk | 30 s windows per encoder call (default 32 on CUDA, 4 on the CPU) |
+| GLMASR_PREFILL_GRAPHS | prefill_graphs | 0: eager single-request prefill instead of CUDA graphs |
+| GLMASR_ENCODER_GRAPHS | encoder_graphs | 0: eager encoder instead of CUDA graphs |
+| GLMASR_DECODE_GEMM | decode_gemm | "skinny" (GEMV kernels for the decode step) or "cublas" |
+| GLMASR_PDL | pdl | 0: no programmatic dependent launch in the decode step |
+| GLMASR_CACHE_DIR | cache_dir | where built cubins and generated checkpoints go (default ~/.cache/glmasr) |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MAX_BATCH = {"cuda": 64, "cpu": 8}
+DEFAULT_ENCODER_CHUNK = {"cuda": 32, "cpu": 4}
+# Prompt positions prefilled in one forward pass (bounds the prefill's activation memory).
+DEFAULT_MAX_PREFILL_TOKENS = {"cuda": 65536, "cpu": 16384}
+DECODE_GEMMS = ("skinny", "cublas")
+
+_ENV = {"max_batch": ("GLMASR_MAX_BATCH", int), "encoder_chunk": ("GLMASR_ENCODER_CHUNK", int),
+        "prefill_graphs": ("GLMASR_PREFILL_GRAPHS", "flag"), "encoder_graphs": ("GLMASR_ENCODER_GRAPHS", "flag"),
+        "decode_gemm": ("GLMASR_DECODE_GEMM", str), "pdl": ("GLMASR_PDL", "flag"),
+        "cache_dir": ("GLMASR_CACHE_DIR", str)}
+
+
+def _positive_int(name: str, value, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine runs. ``None`` fields take the device's default in ``resolved``."""
+
+    max_batch: int | None = None
+    sync_every: int = 8  # decode steps between two host read-backs
+    encoder_chunk: int | None = None
+    max_prefill_tokens: int | None = None
+    cuda_graphs: bool = True  # decode steps as CUDA graphs (CUDA only)
+    prefill_graphs: bool = True
+    encoder_graphs: bool = True
+    decode_gemm: str = "skinny"
+    pdl: bool = True
+    cache_dir: str | None = None
+
+    def __post_init__(self):
+        for name in ("max_batch", "encoder_chunk", "max_prefill_tokens"):
+            _positive_int(name, getattr(self, name))
+        _positive_int("sync_every", self.sync_every, allow_none=False)
+        if self.decode_gemm not in DECODE_GEMMS:
+            raise ValueError(f"decode_gemm must be one of {DECODE_GEMMS}, got {self.decode_gemm!r}")
+        for name in ("cuda_graphs", "prefill_graphs", "encoder_graphs", "pdl"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_env(cls, env=None, **overrides) -> "EngineOptions":
+        """Defaults, then ``GLMASR_*`` variables, then the non-None ``overrides``."""
+        env = os.environ if env is None else env
+        values = {}
+        for name, (var, kind) in _ENV.items():
+            raw = env.get(var)
+            if raw is None or raw == "":
+                continue
+            if kind == "flag":
+                if raw not in ("0", "1"):
+                    raise ValueError(f"environment variable {var} must be 0 or 1, got {raw!r}")
+                values[name] = raw == "1"
+            elif kind is int:
+                try:
+                    values[name] = int(raw)
+                except ValueError:
+                    raise ValueError(f"environment variable {var} must be an integer, got {raw!r}") from None
+            else:
+                values[name] = raw
+        fields = {f.name for f in dataclasses.fields(cls)}
+        for name, value in overrides.items():
+            if name not in fields:
+                raise TypeError(f"unknown engine option {name!r}; known: {sorted(fields)}")
+            if value is not None:
+                values[name] = value
+        return cls(**values)
+
+    def resolved(self, device_type: str) -> "EngineOptions":
+        """These options with the device's defaults filled in (and graphs off where there is no CUDA)."""
+        kind = "cuda" if device_type == "cuda" else "cpu"
+        cuda = kind == "cuda"
+        return dataclasses.replace(
+            self, max_batch=self.max_batch or DEFAULT_MAX_BATCH[kind],
+            encoder_chunk=self.encoder_chunk or DEFAULT_ENCODER_CHUNK[kind],
+            max_prefill_tokens=self.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS[kind],
+            cuda_graphs=self.cuda_graphs and cuda, prefill_graphs=self.prefill_graphs and cuda,
+            encoder_graphs=self.encoder_graphs and cuda)
+
+    def cache_path(self) -> Path:
+        base = self.cache_dir or os.path.join(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache"),
+                                              "glmasr")
+        return Path(base).expanduser()
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """Per-request decoding options. prompt: replaces the default instruction; max_new_tokens: token budget per
+    prompt (default grows with the audio's duration); ignore_eos: decode exactly max_new_tokens (timing)."""
+
+    prompt: str | None = None
+    max_new_tokens: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        _positive_int("max_new_tokens", self.max_new_tokens)
+        if self.prompt is not None and not isinstance(self.prompt, str):
+            raise TypeError(f"prompt must be a string, got {type(self.prompt).__name__}")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")

@@ -1,0 +1,183 @@
+"""Audio -> engine work: 30 s windows, the prompts ("groups") they are packed into, and for a group its
+features, encoder output and prompt embeddings.
+
+- ``plan_audio`` (host, cheap, the caller's thread): split 16 kHz samples into 30 s windows like the reference
+  processor, count each window's audio tokens, pack consecutive windows into groups whose prompt + token budget
+  fits the decoder's positions (at most 21 windows, the reference's cap), tokenize each group's prompt. The
+  windows stay views into the caller's samples until they are encoded.
+- ``encode_groups`` (device, the engine's thread): log-mel features of the groups' windows (the fused CUDA
+  frontend, or the plain-torch recipe), the encoder + projector in chunks of ``chunk`` windows, then each group's
+  prompt embeddings with its audio placeholders replaced by its windows' audio rows, all without a host sync.
+- ``prepare_requests``: both at once for a list of audios -> ``GenerationRequest``s (tests, the logits oracle,
+  benchmarks that drive the engine below the request level).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .audio import Audio, AudioError, load_audio, split_windows
+from .device import host_to_device
+from .engine.generate import GenerationRequest
+from .features import (SAMPLE_RATE, frames_to_audio_tokens, min_samples_for_one_token, num_valid_frames,
+                       whisper_features)
+from .options import DecodeOptions
+
+# The reference processor keeps at most int(655 // 30) = 21 windows (630 s) per prompt.
+MAX_WINDOWS_PER_PROMPT = 21
+# Default token budget: a generous bound on speech rate (fast speech is ~4-5 tokens/s) plus a margin,
+# so long audio is never cut at a fixed count the way a fixed max_new_tokens=128 would cut it.
+DEFAULT_TOKENS_PER_SECOND = 6.0
+DEFAULT_MIN_NEW_TOKENS = 32
+
+
+def default_max_new_tokens(seconds: float) -> int:
+    return DEFAULT_MIN_NEW_TOKENS + math.ceil(DEFAULT_TOKENS_PER_SECOND * seconds)
+
+
+@dataclass
+class GroupPlan:
+    """One prompt: consecutive 30 s windows of one audio and its token budget."""
+
+    windows: list[np.ndarray] | None  # samples of each window (views); dropped once encoded
+    window_tokens: list[int]  # audio tokens each window yields (0: a tail too short to encode)
+    seconds: float
+    max_new_tokens: int
+    prompt_ids: list[int]
+
+    @property
+    def audio_tokens(self) -> int:
+        return sum(self.window_tokens)
+
+    @property
+    def num_windows(self) -> int:
+        return len(self.window_tokens)
+
+
+def plan_groups(window_tokens: list[int], window_seconds: list[float], overhead: int, max_positions: int,
+                max_new_tokens: int | None) -> list[tuple[list[int], int]]:
+    """Pack windows into prompts that fit the context (prompt + token budget <= max_positions); returns
+    (window indices, budget) per group."""
+    groups: list[list[int]] = []
+    tokens = seconds = 0.0
+    for w, (t, s) in enumerate(zip(window_tokens, window_seconds)):
+        if groups:
+            budget = max_new_tokens or default_max_new_tokens(seconds + s)
+            if len(groups[-1]) < MAX_WINDOWS_PER_PROMPT and overhead + tokens + t + budget <= max_positions:
+                groups[-1].append(w)
+                tokens += t
+                seconds += s
+                continue
+        budget = max_new_tokens or default_max_new_tokens(s)
+        if overhead + t + budget > max_positions:
+            raise ValueError(f"max_new_tokens={budget} leaves no room for one 30 s window: the prompt needs "
+                             f"{overhead + t} of the model's {max_positions} positions")
+        groups.append([w])
+        tokens, seconds = t, s
+    return [(g, max_new_tokens or default_max_new_tokens(sum(window_seconds[w] for w in g))) for g in groups]
+
+
+def check_duration(audio: Audio, merge_factor: int) -> None:
+    min_samples = min_samples_for_one_token(merge_factor)
+    n = audio.samples.shape[0]
+    if n < min_samples:
+        raise AudioError(f"{audio.source}: audio is too short ({n} samples = {1000 * audio.duration_s:.1f} ms at "
+                         f"16 kHz); at least {min_samples} samples ({1000 * min_samples / SAMPLE_RATE:.1f} ms) "
+                         f"are needed for one audio token")
+
+
+def plan_audio(audio: Audio, prompts, config, decode: DecodeOptions) -> list[GroupPlan]:
+    """The groups of one audio (see the module docstring); raises AudioError / ValueError naming the problem."""
+    check_duration(audio, config.merge_factor)
+    overhead = len(prompts.encode(1, decode.prompt)) - 1
+    windows = split_windows(audio.samples)
+    tokens = [max(0, int(frames_to_audio_tokens(num_valid_frames(w.shape[0]), config.merge_factor)))
+              for w in windows]
+    seconds = [w.shape[0] / SAMPLE_RATE for w in windows]
+    plans = []
+    for idx, budget in plan_groups(tokens, seconds, overhead, config.text.max_position_embeddings,
+                                   decode.max_new_tokens):
+        wt = [tokens[i] for i in idx]
+        plans.append(GroupPlan([windows[i] for i in idx], wt, sum(seconds[i] for i in idx), budget,
+                               prompts.encode(sum(wt), decode.prompt)))
+    return plans
+
+
+def window_features(pieces: list[np.ndarray], model, frontend: str, n_mels: int) -> torch.Tensor:
+    """Log-mel features (W, n_mels, 3000) of window pieces on the model's device: the fused CUDA frontend
+    (``frontend="cuda"``), else the plain-torch recipe."""
+    device = model.device
+    if frontend == "cuda":
+        from glmasr_kernels.logmel import whisper_features as fused_whisper_features
+
+        lengths = [int(p.shape[0]) for p in pieces]
+        # Filled in place in a pinned buffer (torch's caching host allocator: reused, no page faults) and
+        # copied without a host sync. No zero fill: the kernel reads samples at or past a row's length as 0.
+        host = torch.empty((len(pieces), max(lengths)), dtype=torch.float32, pin_memory=True)
+        rows = host.numpy()
+        for i, p in enumerate(pieces):
+            rows[i, : lengths[i]] = p
+        pcm = host.to(device, non_blocking=True)
+        return fused_whisper_features(pcm, host_to_device(lengths, device), n_mels)[0]
+    return whisper_features(pieces, n_mels, device=device)[0]
+
+
+def encode_groups(model, frontend: str, plans: list[GroupPlan], chunk: int, audio_token_id: int,
+                  n_mels: int) -> tuple[list[torch.Tensor], float]:
+    """Prompt embeddings (L_g, hidden) of each group, and the host seconds spent packing samples.
+
+    Features + encoder run chunk by chunk with nothing waiting for the GPU, so the host packs chunk i+1 while
+    the GPU encodes chunk i. A window that yields no audio token (a tail under 60 ms) is not encoded. The
+    groups' prompts are embedded in one gather/scatter: the placeholder positions are known on the host."""
+    pieces, src_rows, row = [], [], 0
+    for g in plans:
+        rows_of_g = []
+        for samples, tokens in zip(g.windows, g.window_tokens):
+            if tokens > 0:
+                pieces.append(samples)
+                rows_of_g.append((row, tokens))
+                row += 1
+        src_rows.append(rows_of_g)
+    packing_s = 0.0
+    encoded = []
+    for i in range(0, len(pieces), chunk):
+        t0 = time.perf_counter()
+        feats = window_features(pieces[i: i + chunk], model, frontend, n_mels)
+        packing_s += time.perf_counter() - t0
+        encoded.append(model.encode_audio(feats))
+    embeds = encoded[0] if len(encoded) == 1 else torch.cat(encoded)
+    per_window = embeds.shape[1]
+
+    ids: list[int] = []
+    dst: list[int] = []  # rows of the flat prompt embeddings that take audio rows
+    src: list[int] = []  # rows of the flat audio embeddings, in prompt order
+    spans = []
+    for g, rows_of_g in zip(plans, src_rows):
+        base = len(ids)
+        dst += [base + j for j, t in enumerate(g.prompt_ids) if t == audio_token_id]
+        src += [r * per_window + j for r, tokens in rows_of_g for j in range(tokens)]
+        spans.append((base, len(g.prompt_ids)))
+        ids += g.prompt_ids
+    if len(dst) != len(src):  # PromptBuilder.encode guarantees it; a mismatch here would be silent corruption
+        raise RuntimeError(f"{len(dst)} audio placeholders in the prompts but {len(src)} audio rows")
+    dev = model.device
+    flat = model.embed_tokens(host_to_device(ids, dev))
+    audio = embeds.reshape(-1, embeds.shape[-1]).index_select(0, host_to_device(src, dev))
+    flat.index_copy_(0, host_to_device(dst, dev), audio.to(flat.dtype))
+    return [flat[b: b + n] for b, n in spans], packing_s
+
+
+def prepare_requests(asr, audios: list, decode: DecodeOptions | None = None, sampling_rate: int | None = None
+                     ) -> tuple[list[GenerationRequest], list[GroupPlan]]:
+    """All groups of all ``audios``, encoded now, as ``GenerationRequest``s (in order) and their plans."""
+    decode = decode or DecodeOptions()
+    plans = [p for a in audios for p in plan_audio(load_audio(a, sampling_rate), asr.prompts, asr.config, decode)]
+    with torch.inference_mode():
+        embeds, _ = encode_groups(asr.model, asr.frontend, plans, asr.options.encoder_chunk,
+                                  asr.config.audio_token_id, asr.config.audio.num_mel_bins)
+    return [GenerationRequest(e, p.max_new_tokens) for e, p in zip(embeds, plans)], plans

@@ -1,0 +1,31 @@
+"""Result types: plain dataclasses, no tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Transcription:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop": an eos token ended every group; "length": a token budget ran out
+    duration_s: float
+    num_windows: int
+    num_audio_tokens: int = 0
+    num_groups: int = 1
+    # audio_ms (loading, caller's thread), encoder_ms (frontend + encoder + prompt embeddings; on CUDA the GPU
+    # span of the encoder chunks that held this audio), features_ms (host packing, part of encoder_ms),
+    # queue_ms (submitted -> first encoder work), decoder_ms (the rest), total_ms
+    timings_ms: dict = field(default_factory=dict)
+
+
+@dataclass
+class TranscriptDelta:
+    """A piece of streamed text: ``text`` extends the transcript of input ``index``; ``finished`` with the
+    last piece, which also carries the complete ``Transcription``."""
+
+    index: int
+    text: str
+    finished: bool = False
+    result: Transcription | None = None

@@ -1,0 +1,103 @@
+"""From one request's engine outputs to text: streamed deltas as tokens arrive, then the ``Transcription``.
+
+An audio's groups decode at the same time in different slots, but its text is their texts in order, each
+stripped, joined with a space. So a group's text is streamed once every group before it has finished (until
+then it is detokenized and held back); leading whitespace of a group and trailing whitespace not yet followed
+by more text are held back too. The final text is decoded once, exactly, from all tokens; the deltas add up
+to it (the last delta carries whatever the incremental detokenizer had not emitted yet).
+"""
+
+from __future__ import annotations
+
+import time
+
+from .results import Transcription, TranscriptDelta
+from .tokenizer import IncrementalDetokenizer
+
+
+class _GroupText:
+    def __init__(self, prompts):
+        self.detok = IncrementalDetokenizer(prompts)
+        self.finish_reason: str | None = None
+        self.started = False  # some non-space text of this group was released
+        self.joined = False  # its first piece went out (after a space, if text came before it)
+        self.held_space = ""
+        self.pending: list[str] = []  # released text not yet emitted (an earlier group is unfinished)
+
+    def release(self, piece: str) -> None:
+        if not self.started:
+            piece = piece.lstrip()
+            if not piece:
+                return
+        piece = self.held_space + piece
+        body = piece.rstrip()
+        self.held_space = piece[len(body):]
+        if body:
+            self.started = True
+            self.pending.append(body)
+
+
+class TranscriptAssembler:
+    """Consumes ``SequenceOutput``s of one request (``feed``) and produces ``TranscriptDelta``s."""
+
+    def __init__(self, prompts, plans, duration_s: float, num_windows: int, index: int = 0,
+                 t_start: float | None = None, audio_ms: float = 0.0):
+        self.prompts = prompts
+        self.plans = plans
+        self.duration_s = duration_s
+        self.num_windows = num_windows
+        self.index = index
+        self.t_start = time.perf_counter() if t_start is None else t_start
+        self.audio_ms = audio_ms
+        self.groups = [_GroupText(prompts) for _ in plans]
+        self._current = 0  # first unfinished group: its text may be emitted as it comes
+        self._emitted: list[str] = []
+        self.result: Transcription | None = None
+
+    def feed(self, out) -> list[TranscriptDelta]:
+        g = self.groups[out.index]
+        if out.tokens:
+            g.release(g.detok.push(out.tokens))
+        if out.finish_reason is not None:
+            g.finish_reason = out.finish_reason
+        text = self._drain()
+        if out.request_finished:
+            return [self._finish(text, out.timing or {})]
+        return [TranscriptDelta(self.index, text)] if text else []
+
+    def _drain(self) -> str:
+        parts = []
+        while self._current < len(self.groups):
+            g = self.groups[self._current]
+            if g.pending:
+                if not g.joined and (self._emitted or parts):
+                    parts.append(" ")
+                g.joined = True
+                parts += g.pending
+                g.pending = []
+            if g.finish_reason is None:
+                break
+            self._current += 1
+        text = "".join(parts)
+        if text:
+            self._emitted.append(text)
+        return text
+
+    def _finish(self, last: str, engine_timing: dict) -> TranscriptDelta:
+        texts = [self.prompts.decode(g.detok.ids).strip() for g in self.groups]
+        text = " ".join(t for t in texts if t)
+        emitted = "".join(self._emitted)
+        tail = text[len(emitted):] if text.startswith(emitted) else ""  # rare revision: the result is exact
+        total_ms = 1e3 * (time.perf_counter() - self.t_start)
+        timings = {"audio_ms": self.audio_ms, "features_ms": engine_timing.get("features_ms", 0.0),
+                   "encoder_ms": engine_timing.get("encoder_ms", 0.0)}
+        if "queue_ms" in engine_timing:
+            timings["queue_ms"] = engine_timing["queue_ms"]
+        timings["decoder_ms"] = total_ms - timings["audio_ms"] - timings["encoder_ms"]
+        timings["total_ms"] = total_ms
+        self.result = Transcription(
+            text=text, token_ids=[t for g in self.groups for t in g.detok.ids],
+            finish_reason="length" if any(g.finish_reason == "length" for g in self.groups) else "stop",
+            duration_s=self.duration_s, num_windows=self.num_windows,
+            num_audio_tokens=sum(p.audio_tokens for p in self.plans), num_groups=len(self.plans), timings_ms=timings)
+        return TranscriptDelta(self.index, last + tail, True, self.result)
