@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 import glmasr
-from glmasr.api import teacher_forced_logits
+from glmasr.oracle import teacher_forced_logits
 from glmasr.random_checkpoint import CHAT_TEMPLATE, build_tokenizer, make_config
 from glmasr.weights import canonical_name
 
