@@ -7,6 +7,7 @@ Front doors:
   MelSpectrogram(**torchaudio.transforms.MelSpectrogram arguments except window_fn)
       input (..., time) float32/int16 CUDA -> (..., n_mels, n_frames).
   is_available() -> whether the CUDA path can run here.
+  mel_filters.mel_filter_bank_np: the Whisper filter bank in numpy (no CUDA; glmasr.features imports it).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import torch
 
 from . import _config as C
 from ._build import KernelConfig, get_cubin
+from .mel_filters import mel_filter_bank_np
 
 WHISPER_SAMPLES = 480000
 WHISPER_FRAMES = 3000
@@ -146,8 +147,6 @@ def _launch(fn, grid, block, smem: int, stream: int, args) -> None:
 def _filters(key: tuple, device: str):
     (kind, *rest) = key
     if kind == "whisper":
-        from glmasr.features import mel_filter_bank_np
-
         (n_mels,) = rest
         fb = mel_filter_bank_np(WHISPER_N_FFT // 2 + 1, n_mels)
         window = C.hann_window_padded(WHISPER_N_FFT, WHISPER_N_FFT)
