@@ -7,36 +7,40 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_AUDIO = REPO / "assets" / "speech_en.flac"
-LOCAL_WEIGHTS = REPO / "weights" / "GLM-ASR-Nano-2512"
-TINY_RANDOM = REPO / "weights" / "tiny-random"
+# Overrides (tests): the tiny-random checkpoint folder (default: the user cache, glmasr.resources.cache_dir())
+# and the one local real-weights folder to look at (default: resources.local_weights_candidates()).
+TINY_RANDOM: Path | None = None
+LOCAL_WEIGHTS: Path | None = None
 
 
 def _pick_model(arg: str | None) -> str:
+    from . import resources
     from .weights import DEFAULT_MODEL_ID
 
     if arg == "tiny-random":
-        if not (TINY_RANDOM / "model.safetensors").exists():
-            from .random_checkpoint import build_checkpoint
+        from .random_checkpoint import ensure_tiny_checkpoint
 
-            print(f"building a tiny random-weight checkpoint in {TINY_RANDOM} (transcripts will be gibberish)",
-                  file=sys.stderr)
-            build_checkpoint(TINY_RANDOM, size="tiny", layout="shipped")
-        return str(TINY_RANDOM)
+        try:
+            return str(ensure_tiny_checkpoint(TINY_RANDOM, log=lambda msg: print(msg, file=sys.stderr)))
+        except OSError as e:
+            raise ValueError(f"cannot build the tiny random checkpoint ({e}); set GLMASR_CACHE_DIR to a writable "
+                             "folder") from e
     if arg is not None:
         return arg
-    if (LOCAL_WEIGHTS / "config.json").exists():
-        return str(LOCAL_WEIGHTS)
+    for folder in [LOCAL_WEIGHTS] if LOCAL_WEIGHTS is not None else resources.local_weights_candidates():
+        if (folder / "config.json").exists():
+            return str(folder)
     return DEFAULT_MODEL_ID
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Transcribe speech with GLM-ASR-Nano-2512.")
-    parser.add_argument("audio", nargs="*", help=f"audio files (wav, flac, ogg, mp3); default: {DEFAULT_AUDIO.name}")
+    parser.add_argument("audio", nargs="*",
+                        help="audio files (wav, flac, ogg, mp3); default: the shipped sample speech_en.flac")
     parser.add_argument("--model", default=None,
                         help="checkpoint folder, hub id, or 'tiny-random' (offline smoke run with random weights); "
-                             "default: weights/GLM-ASR-Nano-2512 if present, else zai-org/GLM-ASR-Nano-2512")
+                             "default: weights/GLM-ASR-Nano-2512 (next to the source checkout, or in the working "
+                             "directory) if present, else zai-org/GLM-ASR-Nano-2512")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on cuda, fp32 on cpu)")
     parser.add_argument("--prompt", default=None, help="instruction text (default: the model's transcription prompt)")
@@ -44,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import glmasr
+    from glmasr.resources import sample_audio
 
-    files = args.audio or [str(DEFAULT_AUDIO)]
+    files = args.audio or [str(sample_audio())]
     try:
         t0 = time.perf_counter()
         asr = glmasr.load(_pick_model(args.model), device=args.device, dtype=args.dtype)

@@ -14,12 +14,17 @@ Two key layouts: ``"shipped"`` (the Hub file: ``audio_tower.*``, ``language_mode
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+from .resources import cache_dir, config_file
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
                   "<|begin_of_audio|>", "<|end_of_audio|>", "<|pad|>"]
 # Real ids of the GLM-ASR tokenizer where known (spec section 1.4); begin/end of audio are unverified there.
@@ -41,11 +46,9 @@ CHAT_TEMPLATE = (
 
 
 def config_path(name: str) -> Path:
-    """Path of a shipped config (``tiny-random`` or ``glm-asr-nano-2512``)."""
-    path = CONFIG_DIR / f"{name}.json"
-    if not path.exists():
-        raise FileNotFoundError(f"config {path} not found (configs/ ships with the source tree; install with pip install -e .)")
-    return path
+    """Path of a shipped config (``tiny-random`` or ``glm-asr-nano-2512``), from the installed package or the
+    source checkout (``glmasr.resources``)."""
+    return config_file(name)
 
 
 def build_tokenizer(vocab_size: int | None = None):
@@ -135,6 +138,52 @@ def build_checkpoint(folder: str | Path, size: str = "tiny", layout: str = "ship
     save_file(_state_for_layout(model, layout), str(folder / "model.safetensors"), metadata={"format": "pt"})
     processor = GlmAsrProcessor(WhisperFeatureExtractor(feature_size=128), tokenizer, chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(str(folder))
+    return folder
+
+
+# Bump when build_checkpoint's output for the tiny checkpoint changes, so cached copies are rebuilt.
+TINY_FORMAT = 1
+_STAMP = "glmasr-random-checkpoint.json"
+
+
+def _tiny_stamp() -> dict:
+    return {"format": TINY_FORMAT, "size": "tiny", "layout": "shipped", "seed": 0,
+            "config_sha256": hashlib.sha256(config_path("tiny-random").read_bytes()).hexdigest()}
+
+
+def _stamp_matches(folder: Path, stamp: dict) -> bool:
+    try:
+        return json.loads((folder / _STAMP).read_text()) == stamp and (folder / "model.safetensors").is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def ensure_tiny_checkpoint(folder: str | Path | None = None, log=None) -> Path:
+    """The tiny random checkpoint of ``--model tiny-random`` (seed 0, shipped layout), built once into ``folder``
+    (default: ``glmasr.resources.cache_dir() / "tiny-random"``, user-writable, outside the package) and reused
+    while its stamp matches the shipped tiny config. Built in a temporary sibling folder and renamed into place,
+    so an interrupted or concurrent build never leaves a half-written checkpoint behind. ``log(message)`` is
+    called before a build."""
+    folder = Path(folder) if folder is not None else cache_dir() / "tiny-random"
+    stamp = _tiny_stamp()
+    if _stamp_matches(folder, stamp):
+        return folder
+    if log is not None:
+        log(f"building a tiny random-weight checkpoint in {folder} (transcripts will be gibberish)")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.building-", dir=folder.parent))
+    try:
+        build_checkpoint(tmp, size="tiny", layout="shipped", seed=0)
+        (tmp / _STAMP).write_text(json.dumps(stamp))
+        if folder.exists() and not _stamp_matches(folder, stamp):
+            shutil.rmtree(folder)  # stale: an older format or config
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not _stamp_matches(folder, stamp):  # not a concurrent build that finished first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
