@@ -24,7 +24,7 @@ from pathlib import Path
 DEFAULT_MAX_BATCH = {"cuda": 64, "cpu": 8}
 DEFAULT_ENCODER_CHUNK = {"cuda": 32, "cpu": 4}
 # Prompt positions prefilled in one forward pass (bounds the prefill's activation memory).
-DEFAULT_MAX_PREFILL_TOKENS = {"cuda": 65536, "cpu": 16384}
+DEFAULT_MAX_PREFILL_TOKENS = {"cuda": 65536, "cpu": 8192}
 DECODE_GEMMS = ("skinny", "cublas")
 
 _ENV = {"max_batch": ("GLMASR_MAX_BATCH", int), "encoder_chunk": ("GLMASR_ENCODER_CHUNK", int),
