@@ -2,6 +2,8 @@
 # Latency / decode / encoder / throughput / cold-start benchmark of our engine against transformers (eager,
 # and static cache + torch.compile), all in one process on one GPU. Prints tables and writes
 # OUT/benchmark.json (OUT defaults to ./bench_out).   bash benchmark.sh [--only SECTIONS] [--quick] [--no-peers] [--no-compiled-peer]
+# On the H200 through the device tool: bash scripts/device.sh bench [ARGS] (or coldstart, all; see that script).
+# The benchmark programs are in scripts/bench/ (kernels, log-mel, skinny GEMM, latency trace, GPU checks).
 set -euo pipefail
 cd "$(dirname "$0")"
 # On the team's device machine the header wheels travel in .whl/ (see README, Development).

@@ -1,4 +1,5 @@
-# Sourced by the scripts/device_*.sh scripts (device tool, carry [".whl"]): installs the carried wheels
+# Sourced by scripts/device.sh (device tool, carry [".whl"]; also by benchmark.sh where .whl/ exists and
+# nvidia-mathdx is not importable): installs the carried wheels
 # (nvidia-mathdx, nvidia-cuda-cccl, soundfile, soxr, ...) and sets the environment and $OUT. The checkout is
 # not pip-installed there: glmasr imports from $PWD, and kernels/ is linked in as its import name glmasr_kernels.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1

@@ -17,9 +17,9 @@ Writes $OUT/bench_skinny_gemm.json (or ./bench_skinny_gemm.json) after every sta
    ptxas and print registers, stack (spills), shared memory and the SASS counts of (128-bit) global loads,
    cp.async, MMA and local-memory instructions per kernel.
 
-Usage: PYTHONUNBUFFERED=1 python scripts/bench_skinny_gemm.py [--sweep] [--sweep-m 1,2,4,8,16] [--budget S]
+Usage: PYTHONUNBUFFERED=1 python scripts/bench/bench_skinny_gemm.py [--sweep] [--sweep-m 1,2,4,8,16] [--budget S]
        [--workers N] [--quick] [--no-decoder]
-       python scripts/bench_skinny_gemm.py --aot-check all
+       python scripts/bench/bench_skinny_gemm.py --aot-check all
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the checkout root
 
-from graph_timing import graph_call_us  # noqa: E402  (scripts/graph_timing.py)
+from graph_timing import graph_call_us  # noqa: E402  (scripts/bench/graph_timing.py, next to this file)
 from glmasr_kernels import skinny_gemm as sg  # noqa: E402
 from glmasr_kernels.skinny_gemm import SkinnyConfig  # noqa: E402
 

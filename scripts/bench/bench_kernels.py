@@ -7,7 +7,7 @@ same run. Decode-shape cases also report us per call inside a CUDA graph (100 ca
 Decode attention also sweeps (splits, BLOCK_N, stages, warps) at two shapes.
 
 Prints a table; writes JSON to $OUT/bench_kernels.json (or ./bench_kernels.json).
-Usage: PYTHONUNBUFFERED=1 python scripts/bench_kernels.py [--no-compile] [--quick]
+Usage: PYTHONUNBUFFERED=1 python scripts/bench/bench_kernels.py [--no-compile] [--quick]
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the checkout root
 
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from graph_timing import graph_call_us  # noqa: E402  (scripts/graph_timing.py)
+from graph_timing import graph_call_us  # noqa: E402  (scripts/bench/graph_timing.py, next to this file)
 from glmasr_kernels.activations import gelu_bias, gelu_bias_ref, swiglu, swiglu_ref  # noqa: E402
 from glmasr_kernels.decode_attention import choose_num_splits, decode_attention, decode_attention_ref  # noqa: E402
 from glmasr_kernels.kv_append import kv_append, kv_append_ref  # noqa: E402

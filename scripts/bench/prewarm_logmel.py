@@ -1,5 +1,5 @@
 """Compile every fused-frontend configuration the tests use, in parallel (NVRTC takes seconds per cubin cold).
-Run on the device before the GPU tests: python3 scripts/prewarm_logmel.py"""
+Run on the device before the GPU tests: python3 scripts/bench/prewarm_logmel.py"""
 
 import sys
 import time
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout root
 from glmasr_kernels.logmel._build import get_cubin  # noqa: E402
 from tests.test_logmel_cuda import all_test_configs  # noqa: E402
 

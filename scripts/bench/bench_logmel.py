@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout root
 
 from glmasr.features import log_mel_windows  # noqa: E402
 from glmasr_kernels.logmel import MelSpectrogram, whisper_features  # noqa: E402

@@ -1,10 +1,11 @@
 """Where the batch-1 latency goes beyond the GPU's own work: the 3.5 s / 13-token case of benchmark.sh, traced.
 
-    python scripts/latency_trace.py --out DIR     (H200; full-size random-weight checkpoint)
+    python scripts/bench/latency_trace.py --out DIR     (H200; full-size random-weight checkpoint)
 
 Writes DIR/latency_trace.json (chrome trace of 2 runs: CPU ops + CUDA kernels, graphs included) and
 DIR/latency_cprofile.txt (host functions by own time over 20 runs), and prints per run: wall time, GPU busy time
-(union of kernel intervals) and the largest GPU-idle gaps with the host functions running during them.
+(union of kernel intervals) and the largest GPU-idle gaps with the host functions running during them. Also
+checks that the stage timings of the GPU path add up (audio + encoder span + decoder = total), and says so.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout root
 sys.path.insert(0, str(ROOT))
 import glmasr  # noqa: E402
 from glmasr.random_checkpoint import ensure_full_size_checkpoint  # noqa: E402
@@ -62,6 +63,20 @@ def gpu_gaps(trace: dict, top: int = 12) -> dict:
     return {"runs": report}
 
 
+def stage_timings_add_up(stages: list[dict]):
+    """True when every run's ``timings_ms`` add up on the GPU path (audio + encoder span, features included, +
+    decoder = total; 0 < features <= encoder; decoder > 0), else the first run that does not (as a string)."""
+    for t in stages:
+        try:
+            ok = (abs(t["audio_ms"] + t["encoder_ms"] + t["decoder_ms"] - t["total_ms"]) < 1e-6 * t["total_ms"]
+                  and 0 < t["features_ms"] <= t["encoder_ms"] and t["decoder_ms"] > 0)
+        except (KeyError, TypeError) as e:
+            return f"FAILED: {e!r} in {t}"
+        if not ok:
+            return f"FAILED: {t}"
+    return True
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
@@ -86,8 +101,11 @@ def main():
         walls.append(1e3 * (time.perf_counter() - t0))
         stages.append(r.timings_ms)
     summary = {"wall_ms_median": statistics.median(walls),
-               "stages_ms_median": {k: statistics.median(s[k] for s in stages) for k in stages[0]}}
+               "stages_ms_median": {k: statistics.median(s[k] for s in stages) for k in stages[0]},
+               "stage_timings_add_up": stage_timings_add_up(stages)}
     print(summary, flush=True)
+    print("stage timings add up:", "OK" if summary["stage_timings_add_up"] is True else summary["stage_timings_add_up"],
+          flush=True)
 
     prof = cProfile.Profile()
     prof.enable()
