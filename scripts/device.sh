@@ -8,7 +8,9 @@
 #                          GPU-heavy files first, then the rest of tests/, -k "not nvrtc_compiles"; PYTEST-ARGS
 #                          replace that selection. Stops starting tests when its budget is spent (pytest_budget).
 # bench [ARGS]             bash benchmark.sh --out OUT/bench ARGS (~555)
-# coldstart [ARGS]         bash benchmark.sh --only coldstart --no-peers --out OUT/coldstart ARGS (~555)
+# coldstart [ARGS]         bash benchmark.sh --only coldstart --no-peers --out OUT/coldstart ARGS (~555): 4 fresh
+#                          processes (warm-up on/off x caches cold/warm), each stage of import, load, warm-up and
+#                          the first transcript (scripts/bench/coldstart_child.py); the per-stage table comes last
 # kernels [ARGS]           bench_kernels.py ARGS (default --quick --compile-budget-s 90) (300), bench_skinny_gemm.py
 #                          --quick (150), bench_logmel.py --whisper-only --no-torchaudio (the rest, <= 120)
 # logits [PARTS]           gpu_check.py PARTS (default: logits e2e decode encoder): bf16 logits vs transformers,

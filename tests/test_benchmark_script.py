@@ -16,15 +16,34 @@ ROOT = Path(__file__).resolve().parent.parent
                     reason="needs CUDA, or TRITON_INTERPRET=1 to run the Triton path on the CPU")
 def test_benchmark_smoke(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--smoke", "--no-peers",
-                        "--only", "latency,decode,breakdown", "--out", str(tmp_path)], capture_output=True, text=True,
-                       timeout=600)
+                        "--only", "latency,decode,breakdown,coldstart", "--out", str(tmp_path)], capture_output=True,
+                       text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
     report = json.loads((tmp_path / "benchmark.json").read_text())
+    check_coldstart(report["coldstart"])
     assert report["latency"][0]["ours_ms"] > 0
     assert report["decode"][0]["ms_per_token"] > 0
     assert "error" not in report["latency"] and "error" not in report["decode"]
     assert "error" not in report["breakdown"], report["breakdown"]
     assert report["breakdown"]["decode_step_graph_ms"]["default"] > 0
+
+
+def check_coldstart(cs):
+    """The cold-start section: four fresh processes (warm-up on/off x caches cold/warm), each with its stages."""
+    assert isinstance(cs, dict) and "error" not in cs, cs
+    assert [(c["warmup"], c["caches"]) for c in cs["cases"]] == [(True, "cold"), (True, "warm"), (False, "cold"),
+                                                                  (False, "warm")]
+    for c in cs["cases"]:
+        assert c["rc"] == 0 and "error" not in c and "warmup_error" not in c, c
+        st = c["stages_ms"]
+        assert all(st[k] > 0 for k in ("import_torch", "import_glmasr", "load", "first_request", "second_request")), c
+        assert ("warmup" in st) == c["warmup"], c
+        assert isinstance(c["load_stages_ms"], dict) and c["first_request_tokens"] == cs["new_tokens"], c
+        total = sum(st[k] for k in ("import_glmasr", "load", "warmup", "first_request") if k in st) / 1e3
+        assert c["total_s"] == pytest.approx(total) and c["meets_target"] == (total <= c["target_s"]), c
+        assert c["target_s"] == {"cold": 10.0, "warm": 2.5}[c["caches"]]
+        assert 0 < c["python_startup_ms"] < 1e3 * c["process_wall_s"], c
+    assert "first transcribe()" in cs["table"] and "import torch" in cs["table"]
 
 
 def test_benchmark_rejects_unknown_sections(tmp_path):

@@ -73,7 +73,7 @@ def find_attr(name: str, modules: tuple[str, ...]):
 
 
 def teacher_forced_logits(*args, **kwargs):
-    return find_attr("teacher_forced_logits", ("glmasr", "glmasr.api"))(*args, **kwargs)
+    return find_attr("teacher_forced_logits", ("glmasr", "glmasr.oracle", "glmasr.api"))(*args, **kwargs)
 
 
 def compare(a: torch.Tensor, b: torch.Tensor) -> dict:

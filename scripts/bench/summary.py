@@ -120,12 +120,15 @@ def main():
     for s in args.step:
         name, rc, secs, budget, log = (s.split("|") + [""] * 5)[:5]
         lines.append(f"| {name} | {rc_text(rc)} | {secs} | {budget} | {step_result(out / log) if log else ''} |")
-    numbers = []
+    numbers, extra = [], []
     files = sorted(p for p in out.rglob("*") if p.is_file() and len(p.relative_to(out).parts) <= 3)
     for p in files:
         try:
             if p.name == "benchmark.json":
                 numbers += benchmark_rows(p)
+                table = (json.loads(p.read_text()).get("coldstart") or {}).get("table")
+                if table:
+                    extra += ["", f"cold start per stage ({p.parent.name}/{p.name}):", "", table]
             elif p.name == "gpu_check.json":
                 numbers += gpu_check_rows(p)
             elif p.name == "latency_summary.json":
@@ -134,6 +137,7 @@ def main():
             numbers.append((p.name, f"unreadable: {e!r}"[:120]))
     if numbers:
         lines += ["", "| number | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in numbers]
+    lines += extra
     files.append(out / "summary.md")
     lines += ["", f"files under OUT ({len(set(files))}; at most 8 come back): "
               + ", ".join(sorted({str(p.relative_to(out)) for p in files}))]

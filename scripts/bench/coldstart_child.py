@@ -1,0 +1,122 @@
+"""One cold-start measurement in a fresh process (run by the coldstart section of scripts/benchmark.py, once per
+case, with the caches it chose in GLMASR_CACHE_DIR / TRITON_CACHE_DIR):
+
+    python scripts/bench/coldstart_child.py CHECKPOINT RESULT.json [--device cuda] [--dtype bfloat16]
+        [--backend triton] [--warmup] [--seconds 3.5] [--new-tokens 13]
+
+Stages, in order, each a wall clock that ends with the GPU synchronised (queued GPU work is charged to the stage
+that queued it): ``import torch``; ``import glmasr``; ``glmasr.load`` (and the handle's ``load_timings``, ms per
+load stage, as given); with --warmup ``asr.warmup()`` (and the ms per stage it returns); the first
+``glmasr.transcribe`` of a SECONDS clip with NEW_TOKENS forced tokens (and its ``timings_ms``); a second one (the
+steady state, for comparison). RESULT.json is rewritten after every stage, so a crash or a timeout keeps what was
+measured; ``t_start`` / ``t_end`` are time.monotonic() (CLOCK_MONOTONIC, comparable with the parent's clock).
+"""
+
+import time
+
+T_START = time.monotonic()
+
+import json  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+RESULT: dict = {"t_start": T_START, "stages_ms": {}}
+
+
+def dump(path: Path) -> None:
+    RESULT["t_end"] = time.monotonic()
+    path.write_text(json.dumps(RESULT, indent=1))
+
+
+def as_ms_dict(value) -> dict:
+    """A stage dict as returned by the handle (name -> ms), keeping what is a number; anything else -> {}."""
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): float(v) for k, v in value.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def main() -> int:
+    args = sys.argv[1:]
+    folder, result_path = args[0], Path(args[1])
+
+    def opt(name, default):
+        return args[args.index(name) + 1] if name in args else default
+
+    device, dtype, backend = opt("--device", "cuda"), opt("--dtype", "bfloat16"), opt("--backend", "triton")
+    seconds, new_tokens, warmup = float(opt("--seconds", "3.5")), int(opt("--new-tokens", "13")), "--warmup" in args
+    RESULT.update(device=device, dtype=dtype, backend=backend, warmup=warmup, clip_s=seconds, new_tokens=new_tokens)
+    stages = RESULT["stages_ms"]
+
+    t = time.monotonic()
+    import torch
+
+    stages["import_torch"] = 1e3 * (time.monotonic() - t)
+    cuda = device.startswith("cuda")
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    root = str(Path(__file__).resolve().parents[2])  # the checkout (glmasr imports from it on the device)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    dump(result_path)
+    try:
+        t = time.monotonic()
+        import glmasr
+
+        stages["import_glmasr"] = 1e3 * (time.monotonic() - t)
+        dump(result_path)
+
+        t = time.monotonic()
+        asr = glmasr.load(folder, device=device, dtype=dtype, backend=backend)
+        sync()
+        stages["load"] = 1e3 * (time.monotonic() - t)
+        RESULT["load_stages_ms"] = as_ms_dict(getattr(asr, "load_timings", {}))
+        RESULT["model"] = repr(asr)
+        dump(result_path)
+
+        if warmup:
+            fn = getattr(asr, "warmup", None)
+            if fn is None:
+                RESULT["warmup_error"] = "the handle has no warmup()"
+            else:
+                t = time.monotonic()
+                try:
+                    got = fn()
+                except Exception as e:  # measure the first request anyway (it then compiles lazily)
+                    got = {}
+                    RESULT["warmup_error"] = repr(e)[:500]
+                    traceback.print_exc()
+                sync()
+                stages["warmup"] = 1e3 * (time.monotonic() - t)
+                RESULT["warmup_stages_ms"] = as_ms_dict(got)
+            dump(result_path)
+
+        g = torch.Generator().manual_seed(0)
+        audio = (torch.randn(int(seconds * 16000), generator=g) * 0.1).numpy()
+        for name in ("first_request", "second_request"):
+            t = time.monotonic()
+            r = glmasr.transcribe(audio, model=asr, sampling_rate=16000, max_new_tokens=new_tokens, ignore_eos=True)
+            sync()
+            stages[name] = 1e3 * (time.monotonic() - t)
+            RESULT[f"{name}_timings_ms"] = as_ms_dict(getattr(r, "timings_ms", {}))
+            RESULT[f"{name}_tokens"] = len(r.token_ids)
+            dump(result_path)
+        if cuda:
+            RESULT["max_memory_allocated_GB"] = torch.cuda.max_memory_allocated() / 1e9
+        close = getattr(asr, "close", None)
+        if close is not None:  # stop the engine thread before the interpreter exits
+            close()
+    except Exception as e:
+        RESULT["error"] = repr(e)[:1000]
+        traceback.print_exc()
+        dump(result_path)
+        return 1
+    dump(result_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
