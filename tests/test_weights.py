@@ -156,3 +156,199 @@ def test_offline_hub_id_error_names_both_ways_out(monkeypatch, tmp_path):
 def test_not_a_path_nor_hub_id():
     with pytest.raises(CheckpointError, match="neither an existing folder"):
         resolve_checkpoint("/definitely/not/here")
+
+
+# ---- the chunked reader (the CUDA loading path, run here on the CPU into plain staging buffers) ----
+
+from glmasr import weights  # noqa: E402
+from glmasr.models.glmasr import GlmAsrModel  # noqa: E402
+
+
+def meta_model(folder):
+    with torch.device("meta"):
+        return GlmAsrModel(weights.read_config(folder))
+
+
+def bits(t):
+    """The tensor's bytes, for bit-exact comparison (NaN payloads and signed zeros included)."""
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def assert_bit_identical(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(bits(a[k]), bits(b[k])), k
+
+
+def shard(folder, state, parts=3):
+    """Rewrite ``folder``'s weights as ``parts`` shards + index (keys interleaved over the shards)."""
+    (folder / "model.safetensors").unlink()
+    keys = sorted(state)
+    weight_map = {}
+    for i in range(parts):
+        name = f"model-{i + 1:05d}-of-{parts:05d}.safetensors"
+        mine = keys[i::parts]
+        save_file({k: state[k] for k in mine}, str(folder / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in mine})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 1000 bytes (not a multiple of any element size: tensors split mid-element across chunks and
+    chunks span several tensors), each read by several threads in pieces of >= 256 bytes."""
+    monkeypatch.setattr(weights, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(weights, "_MIN_READ_PIECE", 256)
+    monkeypatch.setattr(weights, "READ_THREADS", 3)
+
+
+@pytest.mark.parametrize("file_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["single-file", "sharded"])
+@pytest.mark.parametrize("chunking", ["default-chunks", "small-chunks"])
+def test_chunked_reader_equals_safe_open(tmp_path, request, file_dtype, sharded, chunking):
+    if chunking == "small-chunks":
+        request.getfixturevalue("small_chunks")
+    from glmasr.random_checkpoint import build_checkpoint
+
+    folder = build_checkpoint(tmp_path / "ckpt", size="tiny", layout="shipped", seed=3, dtype=file_dtype)
+    if sharded:
+        shard(folder, tensors(folder))
+    model = meta_model(folder)
+    for target in (file_dtype, torch.float32, torch.bfloat16):
+        ref = weights.load_state_dict(folder, model, torch.device("cpu"), target, reader="safe_open")
+        got = weights.load_state_dict(folder, model, torch.device("cpu"), target, reader="chunked")
+        assert_bit_identical(got, ref)
+        assert all(t.dtype == target for t in got.values())
+        # every tensor has its own storage (a view into a shared buffer would pin the whole file in memory)
+        assert len({t.untyped_storage().data_ptr() for t in got.values()}) == len(got)
+
+
+def write_in_order(state: dict, path):
+    """A safetensors file with the tensors in ``state``'s order, unpadded (save_file sorts them by alignment)."""
+    codes = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+    header, blobs, pos = {}, [], 0
+    for k, t in state.items():
+        raw = bytes(bits(t).numpy())
+        header[k] = {"dtype": codes[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + len(raw)]}
+        blobs.append(raw)
+        pos += len(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+
+
+def test_mixed_dtypes_and_unaligned_offsets_in_one_file(tmp_path, small_chunks):
+    """fp32, bf16 and fp16 tensors of odd sizes in one file (so tensor data starts at offsets that are not a
+    multiple of the element size), read in each tensor's own dtype: the same bits as safe_open."""
+    g = torch.Generator().manual_seed(5)
+    state = {}
+    for i, (dt, n) in enumerate([(torch.bfloat16, 3), (torch.float32, 7), (torch.float16, 5), (torch.float32, 1),
+                                 (torch.bfloat16, 1001), (torch.float16, 2), (torch.float32, 513)]):
+        state[f"t{i}"] = (torch.randn(n, generator=g) * 100).to(dt)
+    state["t2"][1] = float("nan")
+    state["t3"][0] = -0.0
+    state["scalar"] = torch.tensor(2.5, dtype=torch.float16)
+    state["empty"] = torch.zeros(0, 4, dtype=torch.bfloat16)
+    path = tmp_path / "mixed.safetensors"
+    write_in_order(state, path)
+    entries = weights.read_header(path)
+    assert {e.dtype for e in entries.values()} == {torch.float32, torch.bfloat16, torch.float16}
+    assert any(e.begin % e.dtype.itemsize for e in entries.values())  # really unaligned
+    for threads in (1, 4):
+        got = weights.stream_tensors(entries, torch.device("cpu"), None, threads=threads)
+        with safe_open(str(path), "pt") as f:
+            ref = {k: f.get_tensor(k) for k in f.keys()}
+        assert_bit_identical(got, ref)
+
+
+def test_truncated_file_is_a_clear_error(tiny_shipped, tmp_path):
+    folder = copy_checkpoint(tiny_shipped, tmp_path / "cut")
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+    for reader in ("chunked", "safe_open"):
+        with pytest.raises(CheckpointError, match=r"model\.safetensors: the file is truncated \(tensor '.*' ends "
+                                                  r"at byte \d+, the file has \d+ bytes\)"):
+            weights.load_state_dict(folder, meta_model(folder), torch.device("cpu"), torch.float32, reader=reader)
+    with pytest.raises(CheckpointError, match="truncated"):
+        glmasr.load(folder, device="cpu")
+    path.write_bytes(data[:20])  # inside the header
+    with pytest.raises(CheckpointError, match=r"cannot read .*model\.safetensors: not a safetensors file or truncated"):
+        glmasr.load(folder, device="cpu")
+
+
+def test_truncated_shard_is_named(tiny_shipped, tmp_path):
+    folder = copy_checkpoint(tiny_shipped, tmp_path / "cutshard")
+    shard(folder, tensors(folder))
+    victim = folder / "model-00002-of-00003.safetensors"
+    victim.write_bytes(victim.read_bytes()[:-1])
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00003\.safetensors: the file is truncated"):
+        glmasr.load(folder, device="cpu")
+
+
+def test_file_shrinking_while_loading_is_named(tiny_shipped, tmp_path):
+    """The headers were checked, then the file lost its tail before the data was read."""
+    folder = copy_checkpoint(tiny_shipped, tmp_path / "shrink")
+    path = folder / "model.safetensors"
+    entries = weights.read_header(path)
+    path.write_bytes(path.read_bytes()[:-4096])
+    with pytest.raises(CheckpointError, match=r"cannot read .*model\.safetensors: the file ends at byte \d+"):
+        weights.stream_tensors(entries, torch.device("cpu"), torch.float32)
+
+
+def test_index_naming_a_tensor_its_shard_lacks(tiny_shipped, tmp_path):
+    folder = copy_checkpoint(tiny_shipped, tmp_path / "badindex")
+    shard(folder, tensors(folder))
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    key = "audio_tower.conv1.weight"
+    other = next(f for f in set(data["weight_map"].values()) if f != data["weight_map"][key])
+    data["weight_map"][key] = other
+    index.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=rf"maps tensor '{key}' to {other}, which does not hold it"):
+        glmasr.load(folder, device="cpu")
+
+
+@pytest.mark.parametrize("reader", ["chunked", "safe_open"])
+def test_load_timings_are_reported(tiny_shipped, reader):
+    t = {}
+    state = weights.load_state_dict(tiny_shipped, meta_model(tiny_shipped), torch.device("cpu"), torch.float32,
+                                    timings=t, reader=reader)
+    assert set(t) == {"weights_read_ms", "weights_to_device_ms", "weights_total_ms", "weights_bytes"}
+    assert all(v >= 0 for v in t.values()) and t["weights_read_ms"] <= t["weights_total_ms"]
+    assert t["weights_bytes"] == sum(e.nbytes for e in weights.safetensors_entries(tiny_shipped).values())
+    assert len(state) == len(weights.safetensors_entries(tiny_shipped))
+
+
+def test_unknown_reader(tiny_shipped, monkeypatch):
+    with pytest.raises(ValueError, match="unknown weights reader"):
+        weights.load_state_dict(tiny_shipped, meta_model(tiny_shipped), torch.device("cpu"), torch.float32,
+                                reader="mmap")
+    monkeypatch.setenv("GLMASR_WEIGHTS_READER", "chunked")
+    assert glmasr.load(tiny_shipped, device="cpu").model.lm_head.weight.shape == (264, 32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device)")
+@pytest.mark.parametrize("target", [torch.bfloat16, torch.float32])
+def test_cuda_chunked_reader_equals_safe_open(tmp_path, small_chunks, target):
+    """Pinned staging, double-buffered non-blocking copies, casts on the GPU: the same bits as safe_open."""
+    from glmasr.random_checkpoint import build_checkpoint
+
+    folder = build_checkpoint(tmp_path / "ckpt", size="tiny", layout="shipped", seed=4)
+    shard(folder, tensors(folder))
+    model = meta_model(folder)
+    dev = torch.device("cuda")
+    t = {}
+    ref = weights.load_state_dict(folder, model, dev, target, reader="safe_open")
+    got = weights.load_state_dict(folder, model, dev, target, reader="chunked", timings=t)
+    assert_bit_identical(got, ref)
+    assert all(v.device.type == "cuda" for v in got.values())
+    assert t["weights_to_device_ms"] > 0
+
+
+def test_file_of_empty_tensors_only(tmp_path):
+    path = tmp_path / "empty.safetensors"
+    write_in_order({"a": torch.zeros(0, 3), "b": torch.zeros(2, 0, dtype=torch.bfloat16)}, path)
+    got = weights.stream_tensors(weights.read_header(path), torch.device("cpu"), None)
+    assert got["a"].shape == (0, 3) and got["b"].shape == (2, 0) and got["b"].dtype == torch.bfloat16
