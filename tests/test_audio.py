@@ -141,3 +141,73 @@ def test_compressed_formats(tmp_path, fmt, subtype, rate):
     # find the codec delay, then compare shapes by correlation
     best = max(np.corrcoef(a.samples[d:d + n - 2000], expected[:n - 2000])[0, 1] for d in range(0, 1200, 8))
     assert best > 0.95
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=["bf16", "fp16", "fp64"])
+def test_half_precision_tensors_are_converted(dtype):
+    """bf16 has no numpy type (``.numpy()`` raises a TypeError naming no input); fp16/fp64 go through numpy.
+    All become float32 of exactly the tensor's values (every bf16/fp16 value is exact in float32)."""
+    x = torch.from_numpy(noise(1.0, 11, scale=0.3)).to(dtype)
+    a = load_audio(x, 16000)
+    assert a.samples.dtype == np.float32 and a.samples.shape == (16000,)
+    np.testing.assert_array_equal(a.samples, x.to(torch.float32).numpy())
+    # channels and resampling work on the converted samples too
+    stereo = torch.stack([x, x])
+    np.testing.assert_array_equal(load_audio(stereo, 16000).samples, a.samples)
+    assert abs(load_audio(x, 8000).samples.shape[0] - 32000) <= 1
+
+
+def test_numpy_float16_is_converted():
+    x = noise(1.0, 12, scale=0.3).astype(np.float16)
+    a = load_audio(x, 16000)
+    assert a.samples.dtype == np.float32
+    np.testing.assert_array_equal(a.samples, x.astype(np.float32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device)")
+def test_bf16_cuda_tensor_is_converted():
+    x = torch.from_numpy(noise(1.0, 13, scale=0.3)).to("cuda", torch.bfloat16)
+    np.testing.assert_array_equal(load_audio(x, 16000).samples, x.float().cpu().numpy())
+
+
+@pytest.mark.parametrize("make, dtype_name", [
+    (lambda: torch.randn(1000, dtype=torch.complex64), "torch.complex64"),
+    (lambda: torch.zeros(1000, dtype=torch.bool), "torch.bool"),
+    (lambda: np.zeros(1000, dtype=np.complex128), "complex128"),
+    (lambda: np.ones(1000, dtype=np.bool_), "bool"),
+    (lambda: np.array([0.1] * 999 + [None], dtype=object), "object"),
+    (lambda: np.array(["a"] * 1000), "<U1"),
+    (lambda: np.zeros(1000, dtype=np.uint16), "uint16"),
+], ids=["torch-complex", "torch-bool", "numpy-complex", "numpy-bool", "numpy-object", "numpy-str", "numpy-uint16"])
+def test_unsupported_dtypes_name_input_and_dtype(make, dtype_name):
+    data = make()
+    with pytest.raises(AudioError) as e:
+        load_audio(data, 16000, source="audio 2")
+    msg = str(e.value)
+    assert msg.startswith("audio 2 (") and f"dtype {dtype_name}" in msg, msg
+    assert "unsupported sample dtype" in msg, msg
+    with pytest.raises(AudioError, match=rf"^{type(data).__name__} of shape \(1000,\), dtype "):
+        load_audio(data, 16000)  # without a source: the description names it
+
+
+def test_source_names_files_and_other_errors(tmp_path):
+    with pytest.raises(AudioError, match=r"^clip 0: audio file not found: .*nope\.wav"):
+        load_audio(tmp_path / "nope.wav", source="clip 0")
+    path = tmp_path / "a.wav"
+    sf.write(path, noise(1.0, 6), 16000)
+    with pytest.raises(AudioError, match=r"^clip 1 \(.*a\.wav\): file is 16000 Hz"):
+        load_audio(path, 8000, source="clip 1")
+    assert load_audio(path, source="clip 1").source == f"clip 1 ({path})"
+    x = noise(1.0, 4)
+    x[3] = np.nan
+    with pytest.raises(AudioError, match=r"^clip 2 \(ndarray of shape \(16000,\), dtype float32\): audio has 1 NaN"):
+        load_audio(x, 16000, source="clip 2")
+    with pytest.raises(AudioError, match=r"^clip 3: unsupported audio input type list"):
+        load_audio([0.0, 0.1], 16000, source="clip 3")
+
+
+def test_transcribe_accepts_a_bf16_tensor(tiny_asr):
+    x = torch.from_numpy(noise(2.0, 14)).to(torch.bfloat16)
+    a = glmasr.transcribe(x, model=tiny_asr, sampling_rate=16000, max_new_tokens=3)
+    b = glmasr.transcribe(x.float(), model=tiny_asr, sampling_rate=16000, max_new_tokens=3)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 3
