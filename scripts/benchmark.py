@@ -408,9 +408,17 @@ COLDSTART_TARGET_S = {"cold": 10.0, "warm": 2.5}
 COLDSTART_TOTAL = ("import_glmasr", "load", "warmup", "first_request")
 
 
+def _subtotal_prefixes(stages: dict) -> list[str]:
+    """``weights_`` for a ``weights_total_ms`` key: the other ``weights_*`` keys are its parts (they may overlap)."""
+    return [k[:-len("total_ms")] for k in stages if k.endswith("_total_ms")]
+
+
 def _stage_sum(stages: dict) -> float:
-    """Sum of a handle's stage dict, leaving out its own totals (``total_ms``)."""
-    return sum(v for k, v in stages.items() if not k.startswith("total"))
+    """Sum of a handle's stage dict: its top-level stages, a sub-total instead of its parts, not its own
+    ``total_ms``."""
+    prefixes = _subtotal_prefixes(stages)
+    return sum(v for k, v in stages.items() if k not in ("total", "total_ms")
+               and (k.endswith("_total_ms") or not any(k.startswith(p) for p in prefixes)))
 
 
 def coldstart_case(folder: Path, warmup: bool, caches: str, cache_dir: Path, timeout_s: float, seconds: float,
@@ -440,8 +448,9 @@ def coldstart_case(folder: Path, warmup: bool, caches: str, cache_dir: Path, tim
     row["python_startup_ms"] = 1e3 * (child["t_start"] - t0) if "t_start" in child else None
     row["exit_ms"] = 1e3 * (t1 - child["t_end"]) if "t_end" in child and row["rc"] == 0 else None
     row["stages_ms"] = st
-    for key in ("load_stages_ms", "warmup_stages_ms", "first_request_timings_ms", "second_request_timings_ms",
-                "first_request_tokens", "model", "max_memory_allocated_GB", "warmup_error", "error"):
+    for key in ("load_stages_ms", "load_values", "warmup_stages_ms", "warmup_values", "first_request_timings_ms",
+                "second_request_timings_ms", "first_request_tokens", "model", "max_memory_allocated_GB",
+                "warmup_error", "error"):
         if key in child:
             row[key] = child[key]
     if "load" in st and row.get("load_stages_ms"):
@@ -467,25 +476,28 @@ def coldstart_table(cases: list[dict]) -> str:
     def keys(field):
         seen = []
         for c in cases:
-            seen += [k for k in c.get(field) or {} if k not in seen and not k.startswith("total")]
+            seen += [k for k in c.get(field) or {} if k not in seen and k not in ("total", "total_ms")]
         return seen
 
-    def short(k):
-        return k[:-3] if k.endswith("_ms") else k
+    def short(k, field):
+        name = k[:-3] if k.endswith("_ms") else k
+        part = [p for c in cases for p in _subtotal_prefixes(c.get(field) or {})
+                if k.startswith(p) and not k.endswith("_total_ms")]
+        return f"{name} (part of {part[0]}total)" if part else name
 
     rows = [("python start-up", lambda c: ms(c.get("python_startup_ms"))),
             ("import torch (not in the total)", lambda c: ms(c["stages_ms"].get("import_torch"))),
             ("import glmasr", lambda c: ms(c["stages_ms"].get("import_glmasr"))),
             ("glmasr.load", lambda c: ms(c["stages_ms"].get("load")))]
-    rows += [(f"  load: {short(k)}", lambda c, k=k: ms((c.get("load_stages_ms") or {}).get(k)))
+    rows += [(f"  load: {short(k, 'load_stages_ms')}", lambda c, k=k: ms((c.get("load_stages_ms") or {}).get(k)))
              for k in keys("load_stages_ms")]
     rows += [("  load: other", lambda c: ms(c.get("load_other_ms"))),
              ("asr.warmup()", lambda c: ms(c["stages_ms"].get("warmup")))]
-    rows += [(f"  warm-up: {short(k)}", lambda c, k=k: ms((c.get("warmup_stages_ms") or {}).get(k)))
+    rows += [(f"  warm-up: {short(k, 'warmup_stages_ms')}", lambda c, k=k: ms((c.get("warmup_stages_ms") or {}).get(k)))
              for k in keys("warmup_stages_ms")]
     rows += [("  warm-up: other", lambda c: ms(c.get("warmup_other_ms"))),
              ("first transcribe()", lambda c: ms(c["stages_ms"].get("first_request")))]
-    rows += [(f"  first request: {short(k)}", lambda c, k=k: ms((c.get("first_request_timings_ms") or {}).get(k)))
+    rows += [(f"  first request: {short(k, 'first_request_timings_ms')}", lambda c, k=k: ms((c.get("first_request_timings_ms") or {}).get(k)))
              for k in keys("first_request_timings_ms")]
     rows += [("second transcribe() (steady state)", lambda c: ms(c["stages_ms"].get("second_request"))),
              ("**total** s: import glmasr + load + warm-up + first transcript",

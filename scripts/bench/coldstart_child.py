@@ -29,11 +29,18 @@ def dump(path: Path) -> None:
     path.write_text(json.dumps(RESULT, indent=1))
 
 
-def as_ms_dict(value) -> dict:
-    """A stage dict as returned by the handle (name -> ms), keeping what is a number; anything else -> {}."""
+def as_ms_dict(value, name: str) -> dict:
+    """A stage dict as returned by the handle (name -> ms), in its order, numbers only. When its keys carry an
+    ``_ms`` suffix, the numbers without one (``weights_bytes``) are no stages: they go to RESULT[name + "_values"]."""
     if not isinstance(value, dict):
         return {}
-    return {str(k): float(v) for k, v in value.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    nums = {str(k): float(v) for k, v in value.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if any(k.endswith("_ms") for k in nums):
+        other = {k: v for k, v in nums.items() if not k.endswith("_ms")}
+        if other:
+            RESULT[f"{name}_values"] = other
+        nums = {k: v for k, v in nums.items() if k.endswith("_ms")}
+    return nums
 
 
 def main() -> int:
@@ -73,7 +80,7 @@ def main() -> int:
         asr = glmasr.load(folder, device=device, dtype=dtype, backend=backend)
         sync()
         stages["load"] = 1e3 * (time.monotonic() - t)
-        RESULT["load_stages_ms"] = as_ms_dict(getattr(asr, "load_timings", {}))
+        RESULT["load_stages_ms"] = as_ms_dict(getattr(asr, "load_timings", {}), "load")
         RESULT["model"] = repr(asr)
         dump(result_path)
 
@@ -91,7 +98,7 @@ def main() -> int:
                     traceback.print_exc()
                 sync()
                 stages["warmup"] = 1e3 * (time.monotonic() - t)
-                RESULT["warmup_stages_ms"] = as_ms_dict(got)
+                RESULT["warmup_stages_ms"] = as_ms_dict(got, "warmup")
             dump(result_path)
 
         g = torch.Generator().manual_seed(0)
@@ -101,7 +108,7 @@ def main() -> int:
             r = glmasr.transcribe(audio, model=asr, sampling_rate=16000, max_new_tokens=new_tokens, ignore_eos=True)
             sync()
             stages[name] = 1e3 * (time.monotonic() - t)
-            RESULT[f"{name}_timings_ms"] = as_ms_dict(getattr(r, "timings_ms", {}))
+            RESULT[f"{name}_timings_ms"] = as_ms_dict(getattr(r, "timings_ms", {}), name)
             RESULT[f"{name}_tokens"] = len(r.token_ids)
             dump(result_path)
         if cuda:
