@@ -17,7 +17,7 @@ of the step writes (weights, norm gains) until ``pdl_wait``, which blocks until 
 finished and its writes are visible; it writes nothing before ``pdl_wait`` and every program executes
 ``pdl_wait`` (so the wait is transitive: finishing implies everything earlier finished). The gain is the
 launch latency and ramp of each small decode kernel, overlapped with the tail of the one before, and for the
-GEMVs the first weight tile already in flight. Off under the interpreter, below sm_90, or with GLMASR_PDL=0.
+GEMVs the first weight tile already in flight. Off under the interpreter, below sm_90, or with ``set_pdl(False)`` (glmasr: GLMASR_PDL=0).
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ _PDL_OVERRIDE: bool | None = None
 
 
 def set_pdl(enabled: bool | None) -> None:
-    """Force PDL on/off for launches from now on (None: back to the default, GLMASR_PDL, on unless "0").
+    """Force PDL on/off for launches from now on (None: back to the default, on; ``glmasr.load`` sets it from
+    its ``pdl`` option, GLMASR_PDL).
     Kernels already captured in a CUDA graph keep the mode they were captured with."""
     global _PDL_OVERRIDE
     _PDL_OVERRIDE = enabled
@@ -121,7 +122,7 @@ def _capability(index: int) -> tuple[int, int]:
 def pdl_enabled(device: torch.device | None) -> bool:
     if interpreting() or device is None or device.type != "cuda":
         return False
-    on = _PDL_OVERRIDE if _PDL_OVERRIDE is not None else os.environ.get("GLMASR_PDL", "1") != "0"
+    on = _PDL_OVERRIDE if _PDL_OVERRIDE is not None else True
     return on and _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 
 

@@ -39,8 +39,9 @@ from glmasr_kernels.layernorm import layer_norm
 from glmasr_kernels.rmsnorm import rms_norm
 from glmasr_kernels.rope import build_rope_cache, rope_, rope_and_append
 
-from .kv_cache import KVCache
+from .. import cuda_graphs
 from .glmasr import GlmAsrModel
+from .kv_cache import KVCache
 
 
 # Config limits of the kernels this path launches (kernels/*.py), checked by ``kernel_support``.
@@ -223,7 +224,7 @@ class FastGlmAsrModel:
         # (~400 launches from Python per pass).
         self.encoder_graphs = encoder_graphs and dev.type == "cuda"
         self._enc_graphs: dict[int, tuple] = {}
-        self._enc_pool = None
+        self._enc_pool = cuda_graphs.GraphPool()
         # Encoder attention (1500 x 1500 per head, no mask): SDPA backends in priority order; the first that
         # supports the call runs (cuDNN's Hopper kernel first; fp32 falls through to the efficient/math ones).
         self.encoder_sdpa = ("cudnn", "flash", "efficient", "math")
@@ -257,7 +258,7 @@ class FastGlmAsrModel:
         """Drop the captured encoder graphs and their memory pool (after changing ``encoder_sdpa``). The pool
         handle goes too: capturing into the pool of freed graphs trips the caching allocator."""
         self._enc_graphs.clear()
-        self._enc_pool = None
+        self._enc_pool.reset()
 
     def _encode_graphed(self, features: torch.Tensor) -> torch.Tensor:
         bucket = features.shape[0]
@@ -270,16 +271,8 @@ class FastGlmAsrModel:
 
     def _capture_encoder(self, bucket: int, like: torch.Tensor):
         static_in = torch.zeros((bucket,) + tuple(like.shape[1:]), device=like.device, dtype=like.dtype)
-        stream = torch.cuda.Stream(like.device)
-        stream.wait_stream(torch.cuda.current_stream(like.device))
-        with torch.cuda.stream(stream):
-            self._encode_eager(static_in)  # warm-up: Triton compiles, cuBLAS/SDPA pick their kernels
-        torch.cuda.current_stream(like.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if self._enc_pool is None:
-            self._enc_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._enc_pool):
-            static_out = self._encode_eager(static_in)
+        graph, static_out = cuda_graphs.capture(lambda: self._encode_eager(static_in), like.device,
+                                                self._enc_pool.handle)
         return graph, static_in, static_out
 
     def _encode_eager(self, features: torch.Tensor) -> torch.Tensor:
