@@ -191,16 +191,12 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
     "triton" (Triton kernels + fused weight cache, CUDA only) or "auto" (triton on CUDA, torch on CPU).
     ``engine_options``: fields of ``EngineOptions`` (max_batch, encoder_chunk, ...), over ``GLMASR_*``
     variables. ``warmup=True`` compiles the kernels and captures the graphs now (``GlmAsr.warmup``).
-    ``load_timings`` on the result has ms per stage."""
+    ``load_timings`` on the result has ms per stage.
+
+    The tokenizer (importing transformers is most of its cost) and, on CUDA, the log-mel frontend's cubin (an
+    NVRTC compile when its cache is cold) are prepared in background threads while the weights stream in."""
+    t_start = time.perf_counter()
     timings: dict[str, float] = {}
-    t = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal t
-        now = time.perf_counter()
-        timings[name] = timings.get(name, 0.0) + 1e3 * (now - t)
-        t = now
-
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: use one of {BACKENDS}")
     dev = resolve_device(device)
@@ -210,34 +206,85 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
         raise ValueError(f"backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 for CPU testing), got {dev}")
     folder = resolve_checkpoint(model)
     cfg = read_config(folder)
-    lap("config_ms")
-    prompts = PromptBuilder.from_folder(folder, cfg.audio_token_id)
-    lap("tokenizer_ms")
-    with torch.device("meta"):
-        net = GlmAsrModel(cfg)
-    state = load_state_dict(folder, net, dev, dt)
-    net.load_state_dict(state, strict=True, assign=True)
-    net.eval().requires_grad_(False)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    lap("weights_ms")
-    frontend = "torch"
-    if backend == "triton" or (backend == "auto" and dev.type == "cuda"):
+    timings["config_ms"] = 1e3 * (time.perf_counter() - t_start)
+    fast = backend == "triton" or (backend == "auto" and dev.type == "cuda")
+    if fast:  # imported here, before the threads start, so no two threads import the same modules at once
         from glmasr_kernels import _triton_utils
 
         from .models.fast import FastGlmAsrModel
-
+        if dev.type == "cuda":
+            import glmasr_kernels.logmel  # noqa: F401
+    tokenizer = _Background("tokenizer_ms", PromptBuilder.from_folder, folder, cfg.audio_token_id)
+    frontend_build = None
+    if fast and dev.type == "cuda":
+        frontend_build = _Background("frontend_build_ms", _prepare_frontend, cfg, dev)
+    t = time.perf_counter()
+    with torch.device("meta"):
+        net = GlmAsrModel(cfg)
+    state = load_state_dict(folder, net, dev, dt, timings=timings, reader=options.weights_reader)
+    net.load_state_dict(state, strict=True, assign=True)
+    net.eval().requires_grad_(False)
+    del state
+    timings["weights_ms"] = 1e3 * (time.perf_counter() - t)
+    frontend = "torch"
+    if fast:
+        t = time.perf_counter()
         _triton_utils.set_pdl(options.pdl)
         net = FastGlmAsrModel(net, encoder_graphs=options.encoder_graphs, decode_gemm=options.decode_gemm)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        lap("weight_fusion_ms")
-        if dev.type == "cuda":
-            from glmasr_kernels.logmel import is_available
-
-            frontend = "cuda" if is_available() else "torch"
-            lap("frontend_check_ms")
+        timings["weight_fusion_ms"] = 1e3 * (time.perf_counter() - t)
+        if frontend_build is not None:
+            frontend = frontend_build.result(timings) or "torch"
+    prompts = tokenizer.result(timings)
+    timings["total_ms"] = 1e3 * (time.perf_counter() - t_start)
     asr = GlmAsr(cfg, net, prompts, folder, frontend, options, timings)
     if warmup:
         timings.update({f"warmup_{k}": v for k, v in asr.warmup().items()})
     return asr
+
+
+def _prepare_frontend(cfg, dev: torch.device) -> str | None:
+    """"cuda" when the fused log-mel frontend can serve this config on this machine (its cubin built or loaded
+    now), else None, with one warning saying why when the config is the reason."""
+    import warnings
+
+    from glmasr_kernels.logmel import is_available, prebuild
+
+    from .models.fast import KernelFallbackWarning, kernel_support
+
+    reason = kernel_support(cfg)["frontend"]
+    if reason is not None:
+        warnings.warn(f"log-mel frontend: {reason}; using the plain-torch features", KernelFallbackWarning)
+        return None
+    if not is_available():
+        return None
+    prebuild(cfg.audio.num_mel_bins, dev)
+    return "cuda"
+
+
+class _Background:
+    """``fn(*args)`` in a daemon thread; ``result(timings)`` joins it, records its wall time under ``name``, and
+    returns its value or raises its exception in the caller."""
+
+    def __init__(self, name: str, fn, *args):
+        self.name = name
+        self._out: dict = {}
+
+        def run():
+            t0 = time.perf_counter()
+            try:
+                self._out["value"] = fn(*args)
+            except BaseException as e:  # re-raised by result()
+                self._out["error"] = e
+            self._out["ms"] = 1e3 * (time.perf_counter() - t0)
+
+        self._thread = threading.Thread(target=run, name=f"glmasr-load-{name}", daemon=True)
+        self._thread.start()
+
+    def result(self, timings: dict):
+        self._thread.join()
+        timings[self.name] = self._out["ms"]
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["value"]

@@ -11,7 +11,11 @@ Environment variables (each overrides the default; an explicit argument override
 | GLMASR_ENCODER_GRAPHS | encoder_graphs | 0: eager encoder instead of CUDA graphs |
 | GLMASR_DECODE_GEMM | decode_gemm | "skinny" (GEMV kernels for the decode step) or "cublas" |
 | GLMASR_PDL | pdl | 0: no programmatic dependent launch in the decode step |
-| GLMASR_CACHE_DIR | cache_dir | where built cubins and generated checkpoints go (default ~/.cache/glmasr) |
+| GLMASR_WEIGHTS_READER | weights_reader | "auto", "chunked" or "safe_open" (``weights.load_state_dict``) |
+| GLMASR_CACHE_DIR | (``cache_dir()``) | generated checkpoints (default $XDG_CACHE_HOME/glmasr or ~/.cache/glmasr) |
+
+(The kernels, which import nothing from this package, document their own: the log-mel cubin cache also honours
+GLMASR_CACHE_DIR, ``kernels/logmel/_build.py``.)
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ DECODE_GEMMS = ("skinny", "cublas")
 _ENV = {"max_batch": ("GLMASR_MAX_BATCH", int), "encoder_chunk": ("GLMASR_ENCODER_CHUNK", int),
         "prefill_graphs": ("GLMASR_PREFILL_GRAPHS", "flag"), "encoder_graphs": ("GLMASR_ENCODER_GRAPHS", "flag"),
         "decode_gemm": ("GLMASR_DECODE_GEMM", str), "pdl": ("GLMASR_PDL", "flag"),
-        "cache_dir": ("GLMASR_CACHE_DIR", str)}
+        "weights_reader": ("GLMASR_WEIGHTS_READER", str)}
+WEIGHTS_READERS = ("auto", "chunked", "safe_open")
 
 
 def _positive_int(name: str, value, allow_none: bool = True) -> None:
@@ -53,12 +58,14 @@ class EngineOptions:
     encoder_graphs: bool = True
     decode_gemm: str = "skinny"
     pdl: bool = True
-    cache_dir: str | None = None
+    weights_reader: str = "auto"
 
     def __post_init__(self):
         for name in ("max_batch", "encoder_chunk", "max_prefill_tokens"):
             _positive_int(name, getattr(self, name))
         _positive_int("sync_every", self.sync_every, allow_none=False)
+        if self.weights_reader not in WEIGHTS_READERS:
+            raise ValueError(f"weights_reader must be one of {WEIGHTS_READERS}, got {self.weights_reader!r}")
         if self.decode_gemm not in DECODE_GEMMS:
             raise ValueError(f"decode_gemm must be one of {DECODE_GEMMS}, got {self.decode_gemm!r}")
         for name in ("cuda_graphs", "prefill_graphs", "encoder_graphs", "pdl"):
@@ -104,10 +111,14 @@ class EngineOptions:
             cuda_graphs=self.cuda_graphs and cuda, prefill_graphs=self.prefill_graphs and cuda,
             encoder_graphs=self.encoder_graphs and cuda)
 
-    def cache_path(self) -> Path:
-        base = self.cache_dir or os.path.join(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache"),
-                                              "glmasr")
-        return Path(base).expanduser()
+
+def cache_dir() -> Path:
+    """User-writable cache root: $GLMASR_CACHE_DIR, else $XDG_CACHE_HOME/glmasr, else ~/.cache/glmasr."""
+    env = os.environ.get("GLMASR_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "glmasr"
 
 
 @dataclass(frozen=True)

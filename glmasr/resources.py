@@ -16,6 +16,8 @@ import importlib.resources
 import os
 from pathlib import Path
 
+from .options import cache_dir
+
 SAMPLE_AUDIO = "speech_en.flac"
 REAL_WEIGHTS_NAME = "GLM-ASR-Nano-2512"
 
@@ -56,15 +58,6 @@ def config_file(name: str) -> Path:
 def sample_audio() -> Path:
     """The short speech sample the demo transcribes when given no audio."""
     return data_dir("assets") / SAMPLE_AUDIO
-
-
-def cache_dir() -> Path:
-    """User-writable cache root: $GLMASR_CACHE_DIR, else $XDG_CACHE_HOME/glmasr, else ~/.cache/glmasr."""
-    env = os.environ.get("GLMASR_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "glmasr"
 
 
 def local_weights_candidates() -> list[Path]:

@@ -221,7 +221,8 @@ def load_state_dict(folder: Path, model: torch.nn.Module, device: torch.device, 
 
     ``reader``: "chunked" streams the files in large chunks (``stream_tensors``): on CUDA through pinned
     staging buffers (several reads in flight, double-buffered non-blocking copies to the device); "safe_open"
-    reads tensor by tensor with safetensors. "auto" (the default, or ``GLMASR_WEIGHTS_READER``): chunked on
+    reads tensor by tensor with safetensors. "auto" (the default; ``glmasr.load`` passes its ``weights_reader``
+    option, GLMASR_WEIGHTS_READER): chunked on
     CUDA, safe_open on the CPU. Both give bit-identical tensors; casting to ``dtype`` happens on ``device``.
 
     ``timings``: if a dict is given, it is filled with ``weights_read_ms`` (host time reading file bytes:
@@ -231,7 +232,7 @@ def load_state_dict(folder: Path, model: torch.nn.Module, device: torch.device, 
     the device), ``weights_total_ms`` (wall time of this call, checks included; on CUDA after a synchronize,
     so every tensor is on the device when it returns) and ``weights_bytes`` (tensor bytes read)."""
     t_start = time.perf_counter()
-    reader = reader or os.environ.get("GLMASR_WEIGHTS_READER", "auto")
+    reader = reader or "auto"
     if reader not in READERS:
         raise ValueError(f"unknown weights reader {reader!r}: use one of {READERS}")
     if reader == "auto":

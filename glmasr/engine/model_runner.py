@@ -88,6 +88,7 @@ class ModelRunner:
         self.fused_commit = bool(getattr(model, "uses_triton", False))
 
     # ---- encoder ----
+    @torch.inference_mode()
     def encode(self, plans) -> tuple[list[torch.Tensor], dict]:
         """Prompt embeddings of window groups; enqueued without a host sync. Returns them and the timing
         ({"features_s": host packing seconds, "events": (start, end) CUDA events or "encoder_s" on the CPU})."""
@@ -151,6 +152,7 @@ class ModelRunner:
         self.status.zero_()
 
     # ---- prefill ----
+    @torch.inference_mode()
     def prefill(self, slots: list[int], embeds: list[torch.Tensor], budgets: list[int],
                 ignore_eos: list[bool]) -> None:
         # Nothing here waits for the GPU (index lists go through pinned memory, scalars through index_fill_;
@@ -229,6 +231,7 @@ class ModelRunner:
             commit_tokens(logits.argmax(-1), self.active[:b], **self._state())
         self.step_index += 1
 
+    @torch.inference_mode()
     def decode(self, b: int, top_position: int, steps: int) -> None:
         """``steps`` decode steps over slots [0, b); ``top_position`` bounds every position they reach."""
         b = bucket(b, self.buckets)

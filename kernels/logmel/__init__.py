@@ -18,7 +18,7 @@ import torch
 
 from . import _config
 
-__all__ = ["whisper_features", "MelSpectrogram", "is_available"]
+__all__ = ["whisper_features", "MelSpectrogram", "is_available", "prebuild"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -38,6 +38,18 @@ def _deps_importable() -> bool:
 def is_available() -> bool:
     """True when cuda-bindings, NVRTC and the header wheels are importable and a CUDA device exists."""
     return torch.cuda.is_available() and _deps_importable()
+
+
+def prebuild(n_mels: int = 128, device: torch.device | str | None = None, out_dtype=torch.float32) -> None:
+    """Build (NVRTC, seconds when the disk cache is cold) or read the cubin that ``whisper_features`` will use
+    on ``device``, without loading it: safe to call from a background thread while other work runs (the NVRTC
+    compile releases the GIL)."""
+    rt = _rt()
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    from ._build import get_cubin
+
+    get_cubin(rt._cfg(rt.WHISPER_N_FFT, n_mels, 2.0, True, False, out_dtype == torch.bfloat16, idx))
 
 
 def _rt():
