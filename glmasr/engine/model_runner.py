@@ -78,7 +78,8 @@ class ModelRunner:
         self.step_index = torch.zeros(1, dtype=torch.long, device=dev)
         self.eos_ids = torch.tensor(sorted(set(cfg.eos_token_ids)), dtype=torch.long, device=dev)
         cuda = dev.type == "cuda"
-        self._host = torch.empty((n, self.sync_every + 2), dtype=torch.long, pin_memory=cuda)
+        # flat, so the (n, steps + 2) view of a round is contiguous (a strided pinned target would be staged)
+        self._host = torch.empty(n * (self.sync_every + 2), dtype=torch.long, pin_memory=cuda)
         self._readback_event = torch.cuda.Event() if cuda else None
         self._readback_steps = 0
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -263,7 +264,7 @@ class ModelRunner:
     def start_readback(self, steps: int) -> None:
         """Copy the round's tokens and every slot's status/stop token to pinned host memory (enqueued)."""
         state = torch.cat([self.out[:, :steps], self.status[:, None], self.stop_token[:, None]], 1)
-        self._host[:, : steps + 2].copy_(state, non_blocking=self._readback_event is not None)
+        self._host[: state.numel()].view(state.shape).copy_(state, non_blocking=self._readback_event is not None)
         if self._readback_event is not None:
             self._readback_event.record()
         self._readback_steps = steps
@@ -273,7 +274,7 @@ class ModelRunner:
         if self._readback_event is not None:
             self._readback_event.synchronize()
         steps = self._readback_steps
-        return steps, self._host[:, : steps + 2].tolist()
+        return steps, self._host[: self.max_batch * (steps + 2)].view(self.max_batch, steps + 2).tolist()
 
     # ---- warm-up ----
     def warmup(self, batch_sizes=None, kv_lens=None, prefill_lengths=None) -> dict:
