@@ -35,18 +35,26 @@ BACKENDS = ("auto", "torch", "triton")
 class GlmAsr:
     """A loaded checkpoint (config, model, prompt builder, device, dtype) and its shared engine."""
 
-    def __init__(self, config: GlmAsrConfig, model, prompts: PromptBuilder, folder: Path, frontend: str = "torch",
+    def __init__(self, config: GlmAsrConfig, model, prompts: PromptBuilder, folder: Path, frontend="torch",
                  options: EngineOptions | None = None, load_timings: dict | None = None):
         self.config = config
         self.model = model  # GlmAsrModel (plain torch) or FastGlmAsrModel (Triton kernels)
         self.prompts = prompts
         self.folder = folder
-        self.frontend = frontend  # "torch" (features.py) or "cuda" (fused cuFFTDx kernel, kernels/logmel)
+        # "torch" (features.py) or "cuda" (fused cuFFTDx kernel, kernels/logmel); while its cubin is still being
+        # built in the background (load), the build, joined on first use
+        self._frontend = frontend
         self.options = (options or EngineOptions()).resolved(model.device.type)
         self.load_timings = load_timings or {}
         self._engine: Engine | None = None
         self._loop: EngineLoop | None = None
         self._lock = threading.Lock()
+
+    @property
+    def frontend(self) -> str:
+        if isinstance(self._frontend, _Background):
+            self._frontend = self._frontend.result(self.load_timings) or "torch"
+        return self._frontend
 
     @property
     def device(self) -> torch.device:
@@ -65,7 +73,7 @@ class GlmAsr:
     def engine(self) -> Engine:
         with self._lock:
             if self._engine is None:
-                self._engine = Engine(self.model, self.options, self.frontend)
+                self._engine = Engine(self.model, self.options, lambda: self.frontend)
             return self._engine
 
     @property
@@ -92,6 +100,14 @@ class GlmAsr:
         if loop is not None:
             loop.close()
 
+    def prime(self):
+        """Compile the kernels and capture the graphs of the one-clip path (encoder bucket 1, the 64-position
+        prefill, the batch-1 decode step) on the engine thread, now, in the background; returns the future.
+        ``load`` does this on CUDA, so the first request finds them ready (or in progress) instead of starting
+        them, and they overlap the frontend's NVRTC build."""
+        return self.loop.call(lambda eng: eng.warmup(batch_sizes=(1,), kv_lens=(256,), prefill_lengths=(64,),
+                                                     encoder_windows=(1,)))
+
     def warmup(self, batch_sizes=None, kv_lens=(256, 512, 1024), prefill_lengths=(64, 128, 256, 512, 1024)
                ) -> dict:
         """Compile every kernel and capture the CUDA graphs a server needs before it answers: one short request
@@ -106,8 +122,9 @@ class GlmAsr:
         timings = {"first_request_ms": 1e3 * (time.perf_counter() - t0)}
         if batch_sizes is None:
             batch_sizes = self.engine.runner.buckets
-        timings.update(self.loop.call(lambda eng: eng.warmup(batch_sizes=batch_sizes, kv_lens=kv_lens,
-                                                             prefill_lengths=prefill_lengths)).result())
+        timings.update(self.loop.call(lambda eng: eng.warmup(
+            batch_sizes=batch_sizes, kv_lens=kv_lens, prefill_lengths=prefill_lengths,
+            encoder_windows=self.model.ENCODER_BUCKETS if hasattr(self.model, "ENCODER_BUCKETS") else ())).result())
         timings["total_ms"] = 1e3 * (time.perf_counter() - t0)
         return timings
 
@@ -142,17 +159,17 @@ class TranscriptionJob:
     def request_id(self) -> int:
         return self.stream.request_id
 
-    def deltas(self):
+    def deltas(self, stream: bool = True):
         try:
             for out in self.stream:
-                yield from self.assembler.feed(out)
+                yield from self.assembler.feed(out, stream)
         finally:
             self.stream.close()  # no-op once finished; an abandoned iteration aborts the request
 
-    async def adeltas(self):
+    async def adeltas(self, stream: bool = True):
         try:
             async for out in self.stream:
-                for d in self.assembler.feed(out):
+                for d in self.assembler.feed(out, stream):
                     yield d
         finally:
             self.stream.close()
@@ -166,12 +183,12 @@ class TranscriptionJob:
         return self.stream.exhausted
 
     def result(self) -> Transcription:
-        for _ in self.deltas():
+        for _ in self.deltas(stream=False):  # no incremental detokenizing: the text is decoded once
             pass
         return self._final()
 
     async def aresult(self) -> Transcription:
-        async for _ in self.adeltas():
+        async for _ in self.adeltas(stream=False):
             pass
         return self._final()
 
@@ -235,12 +252,14 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
             torch.cuda.synchronize(dev)
         timings["weight_fusion_ms"] = 1e3 * (time.perf_counter() - t)
         if frontend_build is not None:
-            frontend = frontend_build.result(timings) or "torch"
+            frontend = frontend_build  # joined when the engine first needs it
     prompts = tokenizer.result(timings)
     timings["total_ms"] = 1e3 * (time.perf_counter() - t_start)
     asr = GlmAsr(cfg, net, prompts, folder, frontend, options, timings)
     if warmup:
         timings.update({f"warmup_{k}": v for k, v in asr.warmup().items()})
+    elif dev.type == "cuda" and fast:
+        asr.prime()
     return asr
 
 

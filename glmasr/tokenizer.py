@@ -1,7 +1,12 @@
 """Tokenizer and the transcription prompt.
 
-The tokenizer comes from the checkpoint folder (``transformers.AutoTokenizer``). Every special token id is
-read from it; none is hard-coded. The prompt for one audio with N audio tokens is rendered here, exactly as
+The tokenizer comes from the checkpoint folder. When the folder's ``tokenizer.json`` is all there is to it (a
+``TokenizersBackend`` / ``PreTrainedTokenizerFast`` config without settings transformers applies on top: no
+clean-up of spaces, no added BOS/EOS switches), it is run through the HF ``tokenizers`` library that
+transformers' fast tokenizer wraps, which loads in ~30 ms; importing transformers to do the same costs 1.5 s
+here and ~9 s on the H200 machine, most of a cold start. Anything else goes through
+``transformers.AutoTokenizer``. Tests hold the two to the same ids and texts. Every special token id is read
+from the tokenizer; none is hard-coded. The prompt for one audio with N audio tokens is rendered here, exactly as
 the reference chat template plus processor produce it (``shared/spec/glmasr-model.md`` section 1.4):
 
     <|user|>\\n<|begin_of_audio|><|pad|>*N<|end_of_audio|><|user|>\\n{prompt}<|assistant|>\\n
@@ -69,15 +74,25 @@ class PromptBuilder:
             self._check_chat_template(chat_template)
 
     @classmethod
-    def from_folder(cls, folder: str | Path, audio_token_id: int) -> "PromptBuilder":
-        from transformers import AutoTokenizer
-
+    def from_folder(cls, folder: str | Path, audio_token_id: int, backend: str = "auto") -> "PromptBuilder":
+        """backend: "auto" (``tokenizers`` when the folder allows it, see the module docstring),
+        "tokenizers" or "transformers"."""
         folder = Path(folder)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        except Exception as e:
-            raise TokenizerError(f"cannot load the tokenizer from {folder} ({type(e).__name__}: {e}); a checkpoint "
-                                 f"folder needs tokenizer.json and tokenizer_config.json") from None
+        if backend not in ("auto", "tokenizers", "transformers"):
+            raise ValueError(f"unknown tokenizer backend {backend!r}")
+        tokenizer = None
+        if backend != "transformers":
+            tokenizer = TokenizersAdapter.from_folder(folder)
+            if tokenizer is None and backend == "tokenizers":
+                raise TokenizerError(f"{folder}: this tokenizer needs transformers (not a plain tokenizer.json)")
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(folder))
+            except Exception as e:
+                raise TokenizerError(f"cannot load the tokenizer from {folder} ({type(e).__name__}: {e}); a "
+                                     f"checkpoint folder needs tokenizer.json and tokenizer_config.json") from None
         settings = _processor_settings(folder)
         template = getattr(tokenizer, "chat_template", None)
         if not template and (folder / "chat_template.jinja").exists():
@@ -118,21 +133,93 @@ class PromptBuilder:
             return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _check_chat_template(self, template: str) -> None:
-        """The checkpoint's own template must render the same string as ``render`` (warn if not)."""
-        from transformers.utils.chat_template_utils import render_jinja_template
-
+        """The checkpoint's own template must render the same string as ``render`` (warn if not). Rendered with
+        jinja2 the way transformers renders chat templates (sandboxed, trim_blocks, lstrip_blocks, loop
+        controls, ``raise_exception``), without importing transformers."""
         conversation = [{"role": "user", "content": [{"type": "audio", "path": "x.wav"},
                                                      {"type": "text", "text": self.default_prompt}]}]
         try:
-            rendered, _ = render_jinja_template(conversations=[conversation], chat_template=template,
-                                                add_generation_prompt=True,
-                                                **getattr(self.tokenizer, "special_tokens_map", {}))
+            rendered = render_chat_template(template, conversation,
+                                            **getattr(self.tokenizer, "special_tokens_map", {}))
         except Exception as e:  # a template we cannot render is the checkpoint's problem, not fatal
             warnings.warn(f"could not render the checkpoint's chat template ({e}); using the built-in prompt")
             return
-        if rendered[0] != self.render(1):
-            warnings.warn(f"the checkpoint's chat template renders {rendered[0]!r}, which differs from the "
+        if rendered != self.render(1):
+            warnings.warn(f"the checkpoint's chat template renders {rendered!r}, which differs from the "
                           f"GLM-ASR prompt {self.render(1)!r}; using the GLM-ASR prompt")
+
+
+def render_chat_template(template: str, messages: list, **special_tokens) -> str:
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special_tokens)
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class TokenizersAdapter:
+    """The part of the transformers tokenizer interface that PromptBuilder uses, over ``tokenizers.Tokenizer``
+    (what transformers' fast tokenizer runs underneath)."""
+
+    SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+    # tokenizer_config settings under which transformers' tokenizer differs from the bare tokenizer.json
+    _NEEDS_TRANSFORMERS = ("add_bos_token", "add_eos_token", "add_prefix_space", "legacy", "tokenizer_file")
+
+    def __init__(self, tokenizer, config: dict):
+        self._tok = tokenizer
+        self.special_tokens_map = {k: t for k in self.SPECIAL_KEYS if (t := _token_text(config.get(k)))}
+        self.bos_token = self.special_tokens_map.get("bos_token")
+        unk = self.special_tokens_map.get("unk_token")
+        self.unk_token_id = tokenizer.token_to_id(unk) if unk else None
+        self.chat_template = config.get("chat_template") if isinstance(config.get("chat_template"), str) else None
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "TokenizersAdapter | None":
+        path, cfg_path = folder / "tokenizer.json", folder / "tokenizer_config.json"
+        if not path.exists() or not cfg_path.exists():
+            return None
+        try:
+            config = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise TokenizerError(f"{cfg_path} is not valid JSON: {e}") from None
+        if (config.get("tokenizer_class") not in ("TokenizersBackend", "PreTrainedTokenizerFast")
+                or config.get("clean_up_tokenization_spaces") or any(k in config for k in cls._NEEDS_TRANSFORMERS)):
+            return None
+        from tokenizers import Tokenizer
+
+        try:
+            return cls(Tokenizer.from_file(str(path)), config)
+        except Exception as e:
+            raise TokenizerError(f"cannot load {path} ({type(e).__name__}: {e})") from None
+
+    def convert_tokens_to_ids(self, tokens):
+        if isinstance(tokens, str):
+            return self._tok.token_to_id(tokens)
+        return [self._tok.token_to_id(t) for t in tokens]
+
+    def convert_ids_to_tokens(self, ids):
+        if isinstance(ids, int):
+            return self._tok.id_to_token(ids)
+        return [self._tok.id_to_token(i) for i in ids]
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": self._tok.encode(text, add_special_tokens=add_special_tokens).ids}
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def __len__(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
 
 
 class IncrementalDetokenizer:

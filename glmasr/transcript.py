@@ -54,13 +54,18 @@ class TranscriptAssembler:
         self._emitted: list[str] = []
         self.result: Transcription | None = None
 
-    def feed(self, out) -> list[TranscriptDelta]:
+    def feed(self, out, stream: bool = True) -> list[TranscriptDelta]:
+        """Take one output; with ``stream=False`` only collect its tokens (the text is decoded once at the end,
+        and the only delta is the last one, with the whole text)."""
         g = self.groups[out.index]
         if out.tokens:
-            g.release(g.detok.push(out.tokens))
+            if stream:
+                g.release(g.detok.push(out.tokens))
+            else:
+                g.detok.ids += out.tokens
         if out.finish_reason is not None:
             g.finish_reason = out.finish_reason
-        text = self._drain()
+        text = self._drain() if stream else ""
         if out.request_finished:
             return [self._finish(text, out.timing or {})]
         return [TranscriptDelta(self.index, text)] if text else []

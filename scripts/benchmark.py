@@ -240,9 +240,10 @@ def throughput_stages(asr, audios, new_tokens, slots) -> dict:
         def wrapper(*a, **k):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn(*a, **k)
+            out = fn(*a, **k)
             end.record()
             spans[kind].append((start, end))
+            return out
         return wrapper
 
     if DEV == "cuda":

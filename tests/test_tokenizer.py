@@ -67,3 +67,46 @@ def test_prompt_with_placeholder_text_is_rejected(tiny_asr):
 def test_audio_token_id_must_match_tokenizer():
     with pytest.raises(TokenizerError, match="audio_token_id"):
         PromptBuilder(build_tokenizer(), audio_token_id=5)
+
+
+def _folders(tiny_shipped, tiny_transformers):
+    from pathlib import Path
+
+    return [tiny_shipped, tiny_transformers, Path(__file__).parent / "fixtures" / "tiny-random-transformers-5.24"]
+
+
+def test_tokenizers_backend_equals_transformers(tiny_shipped, tiny_transformers):
+    """The checkpoint's tokenizer.json run through `tokenizers` (the fast load path) gives transformers'
+    AutoTokenizer's ids for every prompt and its text for random token sequences, special ids included."""
+    import random
+
+    from glmasr.tokenizer import TokenizersAdapter
+
+    for folder in _folders(tiny_shipped, tiny_transformers):
+        fast = PromptBuilder.from_folder(folder, 263)
+        ref = PromptBuilder.from_folder(folder, 263, backend="transformers")
+        assert isinstance(fast.tokenizer, TokenizersAdapter) and not isinstance(ref.tokenizer, TokenizersAdapter)
+        assert fast.special_ids == ref.special_ids
+        for n, prompt in [(1, None), (43, "Transcribe, please: 日本語 too"), (375, "  spaces  \n"), (7, "é" * 40)]:
+            assert fast.encode(n, prompt) == ref.encode(n, prompt)
+        rng = random.Random(5)
+        for _ in range(300):
+            ids = [rng.randrange(264) for _ in range(rng.randrange(0, 40))]
+            assert fast.decode(ids) == ref.decode(ids), (folder, ids)
+
+
+def test_tokenizer_settings_transformers_applies_use_transformers(tiny_shipped, tmp_path):
+    import json
+    import shutil
+
+    from glmasr.tokenizer import TokenizersAdapter
+
+    folder = tmp_path / "cleanup"
+    shutil.copytree(tiny_shipped, folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["clean_up_tokenization_spaces"] = True
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    pb = PromptBuilder.from_folder(folder, 263)
+    assert not isinstance(pb.tokenizer, TokenizersAdapter)
+    with pytest.raises(TokenizerError, match="needs transformers"):
+        PromptBuilder.from_folder(folder, 263, backend="tokenizers")

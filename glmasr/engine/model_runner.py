@@ -50,12 +50,12 @@ def kv_bucket(n: int, capacity: int) -> int:
 class ModelRunner:
     """Runs a loaded model (``GlmAsrModel`` or ``FastGlmAsrModel``) for the engine; see the module docstring."""
 
-    def __init__(self, model, options, frontend: str = "torch", capacity: int | None = None):
+    def __init__(self, model, options, frontend="torch", capacity: int | None = None):
         cfg = model.cfg.text
         self.model = model
         self.cfg = model.cfg
         self.device = model.device
-        self.frontend = frontend
+        self._frontend = frontend  # "torch" | "cuda", or a callable giving it on first use
         self.options = options
         self.max_batch = n = options.max_batch
         self.sync_every = options.sync_every
@@ -87,6 +87,12 @@ class ModelRunner:
         self.pool = cuda_graphs.GraphPool()
         # The Triton decoder path fuses the step's argmax and bookkeeping into one kernel (~30 launches less).
         self.fused_commit = bool(getattr(model, "uses_triton", False))
+
+    @property
+    def frontend(self) -> str:
+        if callable(self._frontend):
+            self._frontend = self._frontend()
+        return self._frontend
 
     # ---- encoder ----
     @torch.inference_mode()
@@ -277,12 +283,19 @@ class ModelRunner:
         return steps, self._host[: self.max_batch * (steps + 2)].view(self.max_batch, steps + 2).tolist()
 
     # ---- warm-up ----
-    def warmup(self, batch_sizes=None, kv_lens=None, prefill_lengths=None) -> dict:
-        """Capture the decode graphs for ``batch_sizes`` x ``kv_lens`` buckets and the prefill graphs for
-        ``prefill_lengths`` buckets now (compiling their kernels), so no request pays for it; ms per stage."""
+    @torch.inference_mode()
+    def warmup(self, batch_sizes=None, kv_lens=None, prefill_lengths=None, encoder_windows=()) -> dict:
+        """Capture the encoder graphs for ``encoder_windows`` buckets, the decode graphs for ``batch_sizes`` x
+        ``kv_lens`` buckets and the prefill graphs for ``prefill_lengths`` buckets now (compiling their kernels),
+        so no request pays for it; ms per stage. Needs an idle engine (it writes slot 0's cache row)."""
         timings = {}
         if not self.use_graphs:
             return timings
+        t0 = time.perf_counter()
+        for w in encoder_windows:  # features need not be real: only the kernels and graphs are wanted here
+            self.model.encode_audio(torch.zeros(w, self.cfg.audio.num_mel_bins, 3000, device=self.device))
+        torch.cuda.synchronize(self.device)
+        timings["encoder_graphs_ms"] = 1e3 * (time.perf_counter() - t0)
         t0 = time.perf_counter()
         for bkt in sorted({bucket(n, PREFILL_BUCKETS) for n in (prefill_lengths or ())}):
             if bkt <= self.capacity and self.prefill_graphs and bkt not in self._prefill_graphs:
