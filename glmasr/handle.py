@@ -224,6 +224,11 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
     folder = resolve_checkpoint(model)
     cfg = read_config(folder)
     timings["config_ms"] = 1e3 * (time.perf_counter() - t_start)
+    if dev.type == "cuda":  # the CUDA context: a fixed cost of the process, measured apart
+        t = time.perf_counter()
+        torch.empty(1, device=dev)
+        torch.cuda.synchronize(dev)
+        timings["cuda_init_ms"] = 1e3 * (time.perf_counter() - t)
     fast = backend == "triton" or (backend == "auto" and dev.type == "cuda")
     if fast:  # imported here, before the threads start, so no two threads import the same modules at once
         from glmasr_kernels import _triton_utils

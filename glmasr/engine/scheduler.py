@@ -5,8 +5,8 @@ row). A sequence moves WAITING (its windows need encoding) -> READY (prompt embe
 RUNNING (in a slot) -> finished. Per step the scheduler picks
 
 - the encoder work: waiting sequences in arrival order, at most ``encoder_chunk`` windows (at least one
-  sequence), and only as many as the free slots will take, so encoder output never piles up: memory is bounded
-  by the slots and the chunk, not by the length of the audio;
+  sequence; a multiple of it when that many slots are free), and only as many as the free slots will take, so
+  encoder output never piles up: memory is bounded by the slots and the chunk, not by the length of the audio;
 - the admissions: ready sequences into free slots, at most ``max_prefill_tokens`` prompt positions together;
 - the decode round: how many steps until the next read-back (at most ``sync_every``, never past every running
   budget) over the first ``b`` slots, from its mirror of each slot's position and remaining budget, so the host
@@ -105,10 +105,13 @@ class Scheduler:
     # ---- one step ----
     def next_encode(self) -> list[Sequence]:
         room = len(self.free_slots()) - len(self.ready)
+        # One encoder chunk per step; more when many slots are free (a batch starting up: the first step then
+        # fills every slot, as encoding everything first did, instead of ramping up 32 slots per round).
+        limit = self.encoder_chunk * max(1, room // self.encoder_chunk)
         chosen, windows = [], 0
         while self.waiting and room > 0:
             s = self.waiting[0]
-            if chosen and windows + s.num_windows > self.encoder_chunk:
+            if chosen and windows + s.num_windows > limit:
                 break
             chosen.append(self.waiting.popleft())
             windows += s.num_windows
