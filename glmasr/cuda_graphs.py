@@ -27,7 +27,9 @@ def capture(fn: Callable[[], Any], device: torch.device, pool=None, warmup: int 
             fn()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: CUDA calls of other threads (callers loading audio or another model, a server's threads)
+    # neither fail nor invalidate a capture on the engine's thread
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = fn()
     return graph, out
 

@@ -102,9 +102,9 @@ class GlmAsr:
 
     def prime(self):
         """Compile the kernels and capture the graphs of the one-clip path (encoder bucket 1, the 64-position
-        prefill, the batch-1 decode step) on the engine thread, now, in the background; returns the future.
-        ``load`` does this on CUDA, so the first request finds them ready (or in progress) instead of starting
-        them, and they overlap the frontend's NVRTC build."""
+        prefill, the batch-1 decode step) on the engine thread; returns the future. ``load`` does this on CUDA
+        (and waits for it), so the first request finds them ready, and they overlap the frontend's NVRTC build,
+        which goes on in its background thread."""
         return self.loop.call(lambda eng: eng.warmup(batch_sizes=(1,), kv_lens=(256,), prefill_lengths=(64,),
                                                      encoder_windows=(1,)))
 
@@ -264,7 +264,10 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
     if warmup:
         timings.update({f"warmup_{k}": v for k, v in asr.warmup().items()})
     elif dev.type == "cuda" and fast:
-        asr.prime()
+        # synchronously: a capture on the engine thread while the caller runs CUDA work (its RNG, say) can fail
+        t = time.perf_counter()
+        asr.prime().result()
+        timings["prime_ms"] = 1e3 * (time.perf_counter() - t)
     return asr
 
 

@@ -243,7 +243,7 @@ def test_warmup_and_close_then_reuse(tiny_shipped):
 _MEMORY_PROBE = r"""
 import json, resource, sys, numpy as np, torch, glmasr
 minutes, folder, device = float(sys.argv[1]), sys.argv[2], sys.argv[3]
-asr = glmasr.load(folder, device=device)
+asr = glmasr.load(folder, device=device, max_batch=4)  # every probe fills all 4 slots: the same buckets
 n = int(minutes * 60 * 16000)
 audio = np.empty(n, dtype=np.float32)
 rng = np.random.default_rng(0)
