@@ -90,7 +90,11 @@ class TextDecoder(nn.Module):
     def __init__(self, cfg: TextDecoderConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given its weight, nn.Embedding skips reset_parameters: its normal_ on the meta device (where load()
+        # builds the model) imports torch._dynamo, ~1 s here and seconds on the H200 machine. Weights come
+        # from the checkpoint anyway.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope: RotaryTable | None = None
