@@ -98,29 +98,11 @@ def timed(fn, warmup: int, runs: int) -> dict:
 
 
 def graph_time_ms(fn, replays: int = 50) -> float:
-    """ms per call of ``fn`` captured in one CUDA graph (3 eager calls on a side stream first), median of 5
-    timed rounds of ``replays`` replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(replays):
-            graph.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / replays)
-    return statistics.median(times)
+    """ms per call of ``fn`` captured in a CUDA graph (scripts/bench/graph_timing.py): median over ``replays``
+    timed replays after an eager warm-up."""
+    from graph_timing import graph_call_us
+
+    return graph_call_us([fn], repeats=1, replays=replays, warmup_passes=3) / 1e3
 
 
 def events_ms(fn, runs: int = 5) -> float:

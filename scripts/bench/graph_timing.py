@@ -6,22 +6,19 @@ import torch
 
 
 def graph_call_us(calls: list, repeats: int, replays: int = 9, warmup_passes: int = 1) -> float:
-    """Median microseconds per call: ``calls`` (closures) run ``warmup_passes`` times eagerly on a side stream
-    (Triton compiles, cuBLAS picks algorithms), then captured ``repeats`` times over into one graph, replayed
-    twice untimed and ``replays`` times timed with CUDA events."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup_passes):
-            for fn in calls:
-                fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    """Median microseconds per call: ``calls`` (closures), ``repeats`` times over, run ``warmup_passes`` times
+    eagerly on a side stream (Triton compiles, cuBLAS picks algorithms), then captured into one graph
+    (``glmasr.cuda_graphs.capture``), replayed twice untimed and ``replays`` times timed with CUDA events."""
+    from glmasr.cuda_graphs import capture
+
+    def all_calls():
         for _ in range(repeats):
             for fn in calls:
                 fn()
+
+    # the warm-up runs the whole captured sequence eagerly (on a side stream) before the capture
+    graph, _ = capture(all_calls, torch.device("cuda", torch.cuda.current_device()), warmup=warmup_passes)
+    torch.cuda.synchronize()
     for _ in range(2):
         graph.replay()
     torch.cuda.synchronize()
