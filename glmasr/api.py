@@ -20,7 +20,7 @@ from .audio import Audio, AudioError, load_audio
 from .device import resolve_device, same_device
 from .handle import GlmAsr, load
 from .options import DecodeOptions
-from .results import Transcription, TranscriptDelta
+from .results import TranscriptDelta
 from .weights import DEFAULT_MODEL_ID
 
 _AUDIO_TYPES = (str, os.PathLike, np.ndarray, torch.Tensor, Audio)
@@ -91,8 +91,6 @@ def transcribe(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new
     rebuilds the engine once the requests in hand are done). Thread-safe: calls from many threads share the
     model's engine. Returns a ``Transcription`` or a list of them, in input order.
     """
-    if prompt is not None and not isinstance(prompt, str):
-        raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
     DecodeOptions(prompt, max_new_tokens, ignore_eos)  # options are checked before the model is loaded
     asr = _model_for(model, device)
     jobs, batched = _submit_all(asr, audio, prompt, max_new_tokens, sampling_rate, ignore_eos, max_batch)

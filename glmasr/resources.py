@@ -13,7 +13,6 @@ Caches go to a user-writable folder, never into the package or the source tree: 
 from __future__ import annotations
 
 import importlib.resources
-import os
 from pathlib import Path
 
 from .options import cache_dir
