@@ -49,6 +49,7 @@ class GroupPlan:
     seconds: float
     max_new_tokens: int
     prompt_ids: list[int]
+    start_s: float = 0.0  # where its first window starts in the recording
 
     @property
     def audio_tokens(self) -> int:
@@ -104,7 +105,7 @@ def plan_audio(audio: Audio, prompts, config, decode: DecodeOptions) -> list[Gro
                                    decode.max_new_tokens):
         wt = [tokens[i] for i in idx]
         plans.append(GroupPlan([windows[i] for i in idx], wt, sum(seconds[i] for i in idx), budget,
-                               prompts.encode(sum(wt), decode.prompt)))
+                               prompts.encode(sum(wt), decode.prompt), start_s=sum(seconds[: idx[0]])))
     return plans
 
 

@@ -6,6 +6,19 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Segment:
+    """A stretch of the audio and its text. Today one per prompt (window group): consecutive 30 s windows from
+    ``start`` to ``end`` seconds of the recording, so segment times are window boundaries, not speech times."""
+
+    id: int
+    start: float
+    end: float
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+
+@dataclass
 class Transcription:
     text: str
     token_ids: list[int]
@@ -18,6 +31,7 @@ class Transcription:
     # span of the encoder chunks that held this audio), features_ms (host packing, part of encoder_ms),
     # queue_ms (submitted -> first encoder work), decoder_ms (the rest), total_ms
     timings_ms: dict = field(default_factory=dict)
+    segments: list[Segment] = field(default_factory=list)
 
 
 @dataclass

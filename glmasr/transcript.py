@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from .results import Transcription, TranscriptDelta
+from .results import Segment, Transcription, TranscriptDelta
 from .tokenizer import IncrementalDetokenizer
 
 
@@ -90,6 +90,8 @@ class TranscriptAssembler:
 
     def _finish(self, last: str, engine_timing: dict) -> TranscriptDelta:
         texts = [self.prompts.decode(g.detok.ids).strip() for g in self.groups]
+        segments = [Segment(i, p.start_s, p.start_s + p.seconds, t, list(g.detok.ids), g.finish_reason or "stop")
+                    for i, (p, g, t) in enumerate(zip(self.plans, self.groups, texts))]
         text = " ".join(t for t in texts if t)
         emitted = "".join(self._emitted)
         tail = text[len(emitted):] if text.startswith(emitted) else ""  # rare revision: the result is exact
@@ -104,5 +106,6 @@ class TranscriptAssembler:
             text=text, token_ids=[t for g in self.groups for t in g.detok.ids],
             finish_reason="length" if any(g.finish_reason == "length" for g in self.groups) else "stop",
             duration_s=self.duration_s, num_windows=self.num_windows,
-            num_audio_tokens=sum(p.audio_tokens for p in self.plans), num_groups=len(self.plans), timings_ms=timings)
+            num_audio_tokens=sum(p.audio_tokens for p in self.plans), num_groups=len(self.plans), timings_ms=timings,
+            segments=segments)
         return TranscriptDelta(self.index, last + tail, True, self.result)
