@@ -62,9 +62,8 @@ def _load_all(items: list, batched: bool, sampling_rate) -> list[tuple[Audio, fl
     return loaded
 
 
-def _submit_all(asr: GlmAsr, audio, prompt, max_new_tokens, sampling_rate, ignore_eos, max_batch):
+def _submit_all(asr: GlmAsr, audio, decode: DecodeOptions, sampling_rate, max_batch):
     t0 = time.perf_counter()
-    decode = DecodeOptions(prompt, max_new_tokens, ignore_eos)
     items, batched = _as_batch(audio)
     if max_batch is not None:
         asr.reconfigure(max_batch=max_batch)
@@ -81,19 +80,21 @@ def _submit_all(asr: GlmAsr, audio, prompt, max_new_tokens, sampling_rate, ignor
 
 
 def transcribe(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new_tokens: int | None = None,
-               sampling_rate: int | None = None, device=None, ignore_eos: bool = False, max_batch: int | None = None):
+               sampling_rate: int | None = None, device=None, ignore_eos: bool = False, max_batch: int | None = None,
+               repetition_stop: int | None = None):
     """Transcribe one audio input or a list of them.
 
     audio: a file path, a numpy array or a torch tensor (then ``sampling_rate`` is required), or a list of
     these. model: a ``GlmAsr`` from ``load`` or anything ``load`` accepts. prompt: replaces the default
     instruction. max_new_tokens: token budget per prompt (default grows with duration). ignore_eos: decode
     exactly max_new_tokens tokens (benchmarking). max_batch: sequence slots of the shared engine (changing it
-    rebuilds the engine once the requests in hand are done). Thread-safe: calls from many threads share the
-    model's engine. Returns a ``Transcription`` or a list of them, in input order.
+    rebuilds the engine once the requests in hand are done). repetition_stop: opt-in runaway guard (see
+    ``DecodeOptions``). Thread-safe: calls from many threads share the model's engine. Returns a
+    ``Transcription`` or a list of them, in input order.
     """
-    DecodeOptions(prompt, max_new_tokens, ignore_eos)  # options are checked before the model is loaded
+    decode = DecodeOptions(prompt, max_new_tokens, ignore_eos, repetition_stop)  # checked before loading
     asr = _model_for(model, device)
-    jobs, batched = _submit_all(asr, audio, prompt, max_new_tokens, sampling_rate, ignore_eos, max_batch)
+    jobs, batched = _submit_all(asr, audio, decode, sampling_rate, max_batch)
     try:
         out = [j.result() for j in jobs]
     finally:
@@ -103,15 +104,15 @@ def transcribe(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new
 
 
 def transcribe_stream(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new_tokens: int | None = None,
-                      sampling_rate: int | None = None, device=None, max_batch: int | None = None
-                      ) -> Iterator[TranscriptDelta]:
+                      sampling_rate: int | None = None, device=None, max_batch: int | None = None,
+                      repetition_stop: int | None = None) -> Iterator[TranscriptDelta]:
     """Like ``transcribe``, but yields ``TranscriptDelta``s as text is produced (every few decode steps): for a
     list, deltas of different inputs interleave (``.index`` says which); each input's last delta has
     ``finished=True`` and the complete ``Transcription`` in ``.result``. Closing the iterator early aborts the
     requests still running."""
-    DecodeOptions(prompt, max_new_tokens)
+    decode = DecodeOptions(prompt, max_new_tokens, repetition_stop=repetition_stop)
     asr = _model_for(model, device)
-    jobs, _ = _submit_all(asr, audio, prompt, max_new_tokens, sampling_rate, False, max_batch)
+    jobs, _ = _submit_all(asr, audio, decode, sampling_rate, max_batch)
     return _merge(jobs)
 
 

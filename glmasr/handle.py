@@ -143,7 +143,7 @@ class GlmAsr:
         plans = plan_audio(audio, self.prompts, self.config, decode)
         assembler = TranscriptAssembler(self.prompts, plans, audio.duration_s, sum(p.num_windows for p in plans),
                                         index, t_start, audio_ms)
-        stream = self.loop.submit(plans, ignore_eos=decode.ignore_eos)
+        stream = self.loop.submit(plans, ignore_eos=decode.ignore_eos, repetition_stop=decode.repetition_stop)
         return TranscriptionJob(stream, assembler)
 
 

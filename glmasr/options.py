@@ -25,6 +25,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .repetition import check_repetition_stop
+
 DEFAULT_MAX_BATCH = {"cuda": 64, "cpu": 8}
 DEFAULT_ENCODER_CHUNK = {"cuda": 32, "cpu": 4}
 # Prompt positions prefilled in one forward pass (bounds the prefill's activation memory).
@@ -124,11 +126,14 @@ def cache_dir() -> Path:
 @dataclass(frozen=True)
 class DecodeOptions:
     """Per-request decoding options. prompt: replaces the default instruction; max_new_tokens: token budget per
-    prompt (default grows with the audio's duration); ignore_eos: decode exactly max_new_tokens (timing)."""
+    prompt (default grows with the audio's duration); ignore_eos: decode exactly max_new_tokens (timing);
+    repetition_stop: opt-in runaway guard, end a prompt's text once it repeats one n-gram this many times in a
+    row over at least 16 tokens (finish_reason "repetition"; ``glmasr/repetition.py``)."""
 
     prompt: str | None = None
     max_new_tokens: int | None = None
     ignore_eos: bool = False
+    repetition_stop: int | None = None
 
     def __post_init__(self):
         _positive_int("max_new_tokens", self.max_new_tokens)
@@ -136,3 +141,4 @@ class DecodeOptions:
             raise TypeError(f"prompt must be a string, got {type(self.prompt).__name__}")
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        check_repetition_stop(self.repetition_stop)

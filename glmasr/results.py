@@ -15,14 +15,17 @@ class Segment:
     end: float
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: str  # "stop" | "length" | "repetition"
+    compression_ratio: float = 0.0  # text bytes / zlib-compressed bytes: high (> ~2.4) for runaway text
 
 
 @dataclass
 class Transcription:
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop": an eos token ended every group; "length": a token budget ran out
+    # "stop": an eos token ended every group; "length": a token budget ran out; "repetition": the opt-in
+    # runaway guard (DecodeOptions.repetition_stop) ended a group stuck in a loop
+    finish_reason: str
     duration_s: float
     num_windows: int
     num_audio_tokens: int = 0

@@ -10,9 +10,17 @@ to it (the last delta carries whatever the incremental detokenizer had not emitt
 from __future__ import annotations
 
 import time
+import zlib
 
 from .results import Segment, Transcription, TranscriptDelta
 from .tokenizer import IncrementalDetokenizer
+
+
+def compression_ratio(text: str) -> float:
+    """UTF-8 bytes over zlib-compressed bytes: ~1-2 for ordinary text, well above 2.4 for text stuck in a loop
+    (the measure whisper users filter on). 0 for empty text."""
+    raw = text.encode("utf-8")
+    return len(raw) / len(zlib.compress(raw)) if raw else 0.0
 
 
 class _GroupText:
@@ -90,7 +98,8 @@ class TranscriptAssembler:
 
     def _finish(self, last: str, engine_timing: dict) -> TranscriptDelta:
         texts = [self.prompts.decode(g.detok.ids).strip() for g in self.groups]
-        segments = [Segment(i, p.start_s, p.start_s + p.seconds, t, list(g.detok.ids), g.finish_reason or "stop")
+        segments = [Segment(i, p.start_s, p.start_s + p.seconds, t, list(g.detok.ids), g.finish_reason or "stop",
+                            compression_ratio(t))
                     for i, (p, g, t) in enumerate(zip(self.plans, self.groups, texts))]
         text = " ".join(t for t in texts if t)
         emitted = "".join(self._emitted)
@@ -104,7 +113,8 @@ class TranscriptAssembler:
         timings["total_ms"] = total_ms
         self.result = Transcription(
             text=text, token_ids=[t for g in self.groups for t in g.detok.ids],
-            finish_reason="length" if any(g.finish_reason == "length" for g in self.groups) else "stop",
+            finish_reason=next((r for r in ("repetition", "length") if any(g.finish_reason == r for g in self.groups)),
+                               "stop"),
             duration_s=self.duration_s, num_windows=self.num_windows,
             num_audio_tokens=sum(p.audio_tokens for p in self.plans), num_groups=len(self.plans), timings_ms=timings,
             segments=segments)

@@ -64,7 +64,8 @@ def to_json(result: Transcription) -> str:
     return json.dumps({
         "text": result.text, "duration": result.duration_s, "finish_reason": result.finish_reason,
         "segments": [{"id": s.id, "start": s.start, "end": s.end, "text": s.text, "tokens": s.token_ids,
-                      "finish_reason": s.finish_reason} for s in result.segments],
+                      "finish_reason": s.finish_reason, "compression_ratio": s.compression_ratio}
+                     for s in result.segments],
     }, ensure_ascii=False, indent=2) + "\n"
 
 

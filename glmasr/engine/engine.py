@@ -28,6 +28,7 @@ import torch
 from glmasr_kernels.greedy_commit import RUNNING, STOPPED
 
 from ..options import EngineOptions
+from ..repetition import check_repetition_stop, is_stuck
 from .generate import GenerationRequest, GenerationResult
 from .model_runner import ModelRunner
 from .scheduler import RequestState, Scheduler, Sequence
@@ -69,9 +70,11 @@ class Engine:
     # ---- requests ----
     def add_request(self, plans=None, *, prompt_embeds: list[torch.Tensor] | None = None,
                     max_new_tokens: list[int] | None = None, ignore_eos: bool = False,
-                    request_id: int | None = None) -> int:
+                    repetition_stop: int | None = None, request_id: int | None = None) -> int:
         """Queue one request: window groups to encode (``plans``, from ``pipeline.plan_audio``), or prompts
-        already embedded (``prompt_embeds`` with their ``max_new_tokens``). Checked here, before any work."""
+        already embedded (``prompt_embeds`` with their ``max_new_tokens``). Checked here, before any work.
+        ``repetition_stop``: end a sequence stuck repeating an n-gram (``repetition.is_stuck``) with
+        finish_reason "repetition"."""
         rid = next(self._ids) if request_id is None else request_id
         seqs = []
         if plans is not None:
@@ -84,6 +87,10 @@ class Engine:
                 seqs.append(Sequence(rid, i, int(e.shape[0]), m, ignore_eos, prompt_embeds=e))
         if not seqs:
             raise ValueError(f"request {rid} has no sequence to decode")
+        check_repetition_stop(repetition_stop)
+        if repetition_stop is not None:
+            for s in seqs:
+                s.repetition_stop, s.tokens = repetition_stop, []
         for s in seqs:
             if isinstance(s.max_new_tokens, bool) or not isinstance(s.max_new_tokens, int) or s.max_new_tokens < 1:
                 raise ValueError(f"request {rid}, group {s.index}: max_new_tokens must be >= 1, got {s.max_new_tokens}")
@@ -166,6 +173,12 @@ class Engine:
                 reason = "stop" if status == STOPPED else "length"
                 if reason == "stop":
                     stop_token = row[steps + 1]
+            elif seq.tokens is not None:
+                seq.tokens += new
+                if is_stuck(seq.tokens, seq.repetition_stop):  # end it here; its slot stops decoding at once
+                    reason = "repetition"
+                    self.runner.deactivate([slot])
+            if reason is not None:
                 req = self.scheduler.requests.get(seq.request_id)
                 finished = self.scheduler.finish(seq)
                 if finished:

@@ -156,8 +156,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, plans=None, *, ignore_eos: bool = False, prompt_embeds=None, max_new_tokens=None
-               ) -> RequestStream:
+    def submit(self, plans=None, *, ignore_eos: bool = False, prompt_embeds=None, max_new_tokens=None,
+               repetition_stop: int | None = None) -> RequestStream:
         with self._cv:
             if self._closed:
                 raise EngineClosed("the engine loop is shut down")
@@ -165,7 +165,7 @@ class EngineLoop:
             stream = RequestStream(rid, self)
             self._streams[rid] = stream
             self._inbox.append((rid, dict(plans=plans, ignore_eos=ignore_eos, prompt_embeds=prompt_embeds,
-                                          max_new_tokens=max_new_tokens)))
+                                          max_new_tokens=max_new_tokens, repetition_stop=repetition_stop)))
             self._cv.notify()
         return stream
 

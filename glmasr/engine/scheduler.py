@@ -34,6 +34,8 @@ class Sequence:
     host_pos: int = 0  # position of the last token fed (mirror of the device's)
     host_left: int = 0  # budget left (mirror)
     finished: bool = False
+    repetition_stop: int | None = None  # see glmasr/repetition.py
+    tokens: list[int] | None = None  # its tokens so far, kept only when the repetition guard is on
 
     @property
     def num_windows(self) -> int:
