@@ -23,7 +23,7 @@ from .engine.engine import Engine
 from .engine.loop import EngineLoop
 from .models.glmasr import GlmAsrModel
 from .options import DecodeOptions, EngineOptions
-from .pipeline import plan_audio
+from .pipeline import plan_audio, plan_pieces
 from .results import Transcription, TranscriptDelta
 from .tokenizer import PromptBuilder
 from .transcript import TranscriptAssembler
@@ -130,21 +130,58 @@ class GlmAsr:
 
     # ---- requests ----
     def submit(self, audio, decode: DecodeOptions | None = None, sampling_rate: int | None = None,
-               index: int = 0) -> "TranscriptionJob":
-        """Load and plan one audio in this thread, queue it on the engine; returns at once."""
+               index: int = 0, pieces: list[tuple[float, float]] | None = None) -> "TranscriptionJob":
+        """Load and plan one audio in this thread, queue it on the engine; returns at once. ``pieces``: your own
+        segmentation, (start_s, end_s) stretches of at most 30 s, one prompt each (instead of
+        ``decode.segmentation``); each becomes a segment with those times."""
         decode = decode or DecodeOptions()
         t0 = time.perf_counter()
         a = audio if isinstance(audio, Audio) else load_audio(audio, sampling_rate)
-        return self.submit_loaded(a, decode, index, t0, 1e3 * (time.perf_counter() - t0))
+        return self.submit_loaded(a, decode, index, t0, 1e3 * (time.perf_counter() - t0), pieces)
 
     def submit_loaded(self, audio: Audio, decode: DecodeOptions, index: int = 0, t_start: float | None = None,
-                      audio_ms: float = 0.0) -> "TranscriptionJob":
+                      audio_ms: float = 0.0, pieces: list[tuple[float, float]] | None = None
+                      ) -> "TranscriptionJob":
         t_start = time.perf_counter() if t_start is None else t_start
-        plans = plan_audio(audio, self.prompts, self.config, decode)
+        if pieces is not None:
+            plans = plan_pieces(audio, pieces, self.prompts, self.config, decode)
+        else:
+            plans = plan_audio(audio, self.prompts, self.config, decode)
         assembler = TranscriptAssembler(self.prompts, plans, audio.duration_s, sum(p.num_windows for p in plans),
                                         index, t_start, audio_ms)
+        if not plans:  # nothing to decode (no speech found): the job is done already
+            return TranscriptionJob(_DoneStream(assembler), assembler)
         stream = self.loop.submit(plans, ignore_eos=decode.ignore_eos, repetition_stop=decode.repetition_stop)
         return TranscriptionJob(stream, assembler)
+
+
+class _DoneStream:
+    """The stream of a request that needs no engine work: one final output, then the end."""
+
+    request_id = -1
+    finished = exhausted = True
+
+    def __init__(self, assembler):
+        from .engine.engine import SequenceOutput
+
+        self._items = [SequenceOutput(-1, 0, [], None, None, True, {})] if not assembler.plans else []
+
+    def __iter__(self):
+        items, self._items = self._items, []
+        return iter(items)
+
+    async def __aiter__(self):
+        for item in self.__iter__():
+            yield item
+
+    def poll(self):
+        return list(self.__iter__())
+
+    def set_listener(self, fn):
+        fn()
+
+    def close(self):
+        pass
 
 
 class TranscriptionJob:

@@ -32,6 +32,7 @@ DEFAULT_ENCODER_CHUNK = {"cuda": 32, "cpu": 4}
 # Prompt positions prefilled in one forward pass (bounds the prefill's activation memory).
 DEFAULT_MAX_PREFILL_TOKENS = {"cuda": 65536, "cpu": 8192}
 DECODE_GEMMS = ("skinny", "cublas")
+SEGMENTATIONS = ("windows", "vad")
 
 _ENV = {"max_batch": ("GLMASR_MAX_BATCH", int), "encoder_chunk": ("GLMASR_ENCODER_CHUNK", int),
         "prefill_graphs": ("GLMASR_PREFILL_GRAPHS", "flag"), "encoder_graphs": ("GLMASR_ENCODER_GRAPHS", "flag"),
@@ -134,6 +135,7 @@ class DecodeOptions:
     max_new_tokens: int | None = None
     ignore_eos: bool = False
     repetition_stop: int | None = None
+    segmentation: str = "windows"  # "windows" (reference-exact) or "vad" (speech regions, <= 30 s pieces)
 
     def __post_init__(self):
         _positive_int("max_new_tokens", self.max_new_tokens)
@@ -142,3 +144,5 @@ class DecodeOptions:
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         check_repetition_stop(self.repetition_stop)
+        if self.segmentation not in SEGMENTATIONS:
+            raise ValueError(f"segmentation must be one of {SEGMENTATIONS}, got {self.segmentation!r}")

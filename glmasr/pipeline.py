@@ -93,7 +93,14 @@ def check_duration(audio: Audio, merge_factor: int) -> None:
 
 
 def plan_audio(audio: Audio, prompts, config, decode: DecodeOptions) -> list[GroupPlan]:
-    """The groups of one audio (see the module docstring); raises AudioError / ValueError naming the problem."""
+    """The groups of one audio (see the module docstring); raises AudioError / ValueError naming the problem.
+    ``decode.segmentation`` "windows": 30 s windows grouped like the reference processor (token-exact with
+    transformers); "vad": speech regions (``glmasr.vad``) merged into pieces of at most 30 s, one prompt each."""
+    if decode.segmentation == "vad":
+        from .vad import merge_regions, speech_regions
+
+        check_duration(audio, config.merge_factor)
+        return plan_pieces(audio, merge_regions(speech_regions(audio.samples)), prompts, config, decode)
     check_duration(audio, config.merge_factor)
     overhead = len(prompts.encode(1, decode.prompt)) - 1
     windows = split_windows(audio.samples)
@@ -106,6 +113,27 @@ def plan_audio(audio: Audio, prompts, config, decode: DecodeOptions) -> list[Gro
         wt = [tokens[i] for i in idx]
         plans.append(GroupPlan([windows[i] for i in idx], wt, sum(seconds[i] for i in idx), budget,
                                prompts.encode(sum(wt), decode.prompt), start_s=sum(seconds[: idx[0]])))
+    return plans
+
+
+def plan_pieces(audio: Audio, pieces: list[tuple[float, float]], prompts, config, decode: DecodeOptions
+                ) -> list[GroupPlan]:
+    """One prompt per piece (start_s, end_s) of the recording, each at most 30 s: its samples, its true start and
+    length. Pieces too short for one audio token are dropped (no text can come from them); none left: no prompt."""
+    n = audio.samples.shape[0]
+    plans = []
+    for start_s, end_s in pieces:
+        if not 0 <= start_s < end_s or end_s - start_s > 30.0 + 1e-6:
+            raise ValueError(f"{audio.source}: a piece must lie in [0, duration) and last at most 30 s, got "
+                             f"({start_s:.3f}, {end_s:.3f})")
+        a, b = int(round(start_s * SAMPLE_RATE)), min(n, int(round(end_s * SAMPLE_RATE)))
+        tokens = max(0, int(frames_to_audio_tokens(num_valid_frames(b - a), config.merge_factor))) if b > a else 0
+        if tokens == 0:
+            continue
+        seconds = (b - a) / SAMPLE_RATE
+        plans.append(GroupPlan([audio.samples[a:b]], [tokens], seconds, decode.max_new_tokens or
+                               default_max_new_tokens(seconds), prompts.encode(tokens, decode.prompt),
+                               start_s=a / SAMPLE_RATE))
     return plans
 
 

@@ -65,6 +65,8 @@ class TranscriptAssembler:
     def feed(self, out, stream: bool = True) -> list[TranscriptDelta]:
         """Take one output; with ``stream=False`` only collect its tokens (the text is decoded once at the end,
         and the only delta is the last one, with the whole text)."""
+        if not self.groups:  # nothing was decoded (no speech): the one output ends it
+            return [self._finish("", out.timing or {})]
         g = self.groups[out.index]
         if out.tokens:
             if stream:
