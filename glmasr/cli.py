@@ -1,4 +1,5 @@
-"""Command line: ``glmasr AUDIO...`` (installed console command) and ``python demo.py``."""
+"""Command line: ``glmasr AUDIO...`` (installed console command) and ``python demo.py``; ``glmasr serve ...``
+starts the OpenAI-compatible server (``glmasr.server.cli``; a file named ``serve`` is ``./serve``)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ def _pick_model(arg: str | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] == "serve":
+        from .server.cli import main as serve
+
+        return serve(args[1:])
     parser = argparse.ArgumentParser(description="Transcribe speech with GLM-ASR-Nano-2512.")
     parser.add_argument("audio", nargs="*",
                         help="audio files (wav, flac, ogg, mp3); default: the shipped sample speech_en.flac")

@@ -1,0 +1,11 @@
+"""OpenAI-compatible transcription server over a loaded ``GlmAsr`` (``glmasr serve``; needs the ``serve`` extra).
+
+- ``protocol``: request fields, validation, response bodies and the OpenAI error envelope;
+- ``serving``: upload decoding with limits, admission, the async transcription over the shared engine;
+- ``app``: ``create_app(asr, ServerConfig(...))``, the FastAPI routes, auth, metrics, warm-up and health;
+- ``cli``: ``glmasr serve`` / ``python -m glmasr.server`` (uvicorn, graceful SIGTERM).
+"""
+
+from .app import ServerConfig, create_app
+
+__all__ = ["ServerConfig", "create_app"]

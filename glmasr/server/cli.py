@@ -1,0 +1,97 @@
+"""``glmasr serve`` (also ``python -m glmasr.server``): load a checkpoint, warm it up, serve it with uvicorn.
+
+SIGTERM or SIGINT: the listening socket closes, the requests in flight finish (up to ``--drain-timeout`` s; streams
+included), the engine stops, and the process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="glmasr serve",
+                                description="OpenAI-compatible transcription server (POST /v1/audio/transcriptions)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint folder, hub id, or 'tiny-random'; default as for `glmasr`: local "
+                        "weights/GLM-ASR-Nano-2512 if present, else zai-org/GLM-ASR-Nano-2512")
+    p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                   help="another name clients may send as `model` (repeatable); always served: glm-asr-nano-2512 "
+                        "and the checkpoint folder's name")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $GLMASR_API_KEY, else none)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--max-batch", type=int, default=None, help="engine sequence slots (default 64 on CUDA, 8 on CPU)")
+    p.add_argument("--max-upload-mb", type=float, default=25.0, help="largest upload in MiB (default 25)")
+    p.add_argument("--max-audio-s", type=float, default=3600.0,
+                   help="longest decoded audio per request in seconds (default 3600; 0 = no limit)")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="requests inside the server at once (reading, decoding, queued, running); one more gets a "
+                        "429 (default 4 x max-batch)")
+    p.add_argument("--warmup", choices=("full", "request", "none"), default="full",
+                   help="before /health reports ok: every kernel and graph (full, default), one short request, or "
+                        "nothing")
+    p.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM (default 60)")
+    p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import os
+
+    args = build_parser().parse_args(argv)
+    try:
+        import uvicorn
+
+        from .app import MIB, ServerConfig, create_app, served_names
+    except ImportError as e:
+        print(f"error: the server needs the serve extra (pip install 'glmasr[serve]'): {e}", file=sys.stderr)
+        return 2
+    import glmasr
+    from glmasr.cli import _pick_model
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get("GLMASR_API_KEY") or None
+    try:
+        model = _pick_model(args.model)
+        asr = glmasr.load(model, device=args.device, dtype=args.dtype, max_batch=args.max_batch)
+        extra = list(args.served_model_name)
+        if args.model not in (None, "tiny-random"):
+            extra.append(args.model)
+        config = ServerConfig(served_names=served_names(asr, extra), api_key=api_key,
+                              max_upload_bytes=int(args.max_upload_mb * MIB), max_audio_s=args.max_audio_s or None,
+                              max_queue=args.max_queue, warmup=args.warmup)
+    except (glmasr.CheckpointError, glmasr.ConfigError, glmasr.TokenizerError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"serving {asr.folder} on {asr.device} as {', '.join(config.served_names)} at "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
+    app = create_app(asr, config)
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                    timeout_graceful_shutdown=args.drain_timeout, lifespan="on"))
+    server.run()
+    return 0 if server.started or server.should_exit else 1
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that a SIGTERM/SIGINT that led to a graceful shutdown is not re-raised at the
+        end (uvicorn re-raises it, so the process would die of the signal): the drained server exits with 0."""
+
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+    return Server
+
+
+def _Server(config):
+    return _server_class()(config)

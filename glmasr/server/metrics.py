@@ -1,0 +1,58 @@
+"""Prometheus metrics of one server (its own registry, so several apps in one process do not collide).
+
+| metric | kind | meaning |
+|---|---|---|
+| glmasr_requests_total{outcome} | counter | finished transcription requests by outcome (below) |
+| glmasr_audio_seconds_total | counter | decoded audio duration of the requests that were transcribed |
+| glmasr_prompt_tokens_total | counter | prompt positions (audio + text) prefilled |
+| glmasr_generated_tokens_total | counter | tokens generated |
+| glmasr_queue_depth | gauge | requests inside the server (reading, decoding, queued or decoding in the engine) |
+| glmasr_engine_pending_requests | gauge | requests the engine holds (queued or running) |
+| glmasr_time_to_first_token_seconds | histogram | request received -> first tokens back from the engine |
+| glmasr_request_latency_seconds{stream} | histogram | request received -> last byte of the answer produced |
+
+Outcomes: ok, bad_request, unauthorized, not_found, too_large, rejected (queue full), unavailable (warming up or
+shutting down), aborted (the client went away), error.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+OUTCOMES = ("ok", "bad_request", "unauthorized", "not_found", "too_large", "rejected", "unavailable", "aborted",
+            "error")
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def outcome_for(status: int) -> str:
+    return {400: "bad_request", 401: "unauthorized", 404: "not_found", 413: "too_large", 429: "rejected",
+            503: "unavailable"}.get(status, "error" if status >= 500 else "bad_request")
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, engine_pending=lambda: 0):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("glmasr_requests", "Finished transcription requests by outcome", ["outcome"],
+                                registry=r)
+        for o in OUTCOMES:
+            self.requests.labels(o)
+        self.audio_seconds = Counter("glmasr_audio_seconds", "Seconds of audio transcribed", registry=r)
+        self.prompt_tokens = Counter("glmasr_prompt_tokens", "Prompt positions (audio + text) prefilled",
+                                     registry=r)
+        self.generated_tokens = Counter("glmasr_generated_tokens", "Tokens generated", registry=r)
+        self.queue_depth = Gauge("glmasr_queue_depth", "Requests inside the server", registry=r)
+        self.engine_pending = Gauge("glmasr_engine_pending_requests", "Requests queued or running in the engine",
+                                    registry=r)
+        self.engine_pending.set_function(engine_pending)
+        self.ttft = Histogram("glmasr_time_to_first_token_seconds", "Request received -> first tokens",
+                              buckets=_BUCKETS, registry=r)
+        self.latency = Histogram("glmasr_request_latency_seconds", "Request received -> answer complete",
+                                 ["stream"], buckets=_BUCKETS, registry=r)
+        for v in ("true", "false"):
+            self.latency.labels(v)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,316 @@
+"""The wire format of the OpenAI transcription API as this server speaks it: the error envelope, the parsed and
+validated request, and the response bodies (json, text, srt, vtt, verbose_json, stream events).
+
+Request fields (multipart/form-data, as the ``openai`` client sends them: list fields as ``name[]``, booleans as
+"true"/"false", fields left out are not sent):
+
+- ``file`` (required): the audio bytes; the format is detected from the bytes (wav, flac, ogg/vorbis/opus, mp3:
+  whatever libsndfile reads), never from the file name or content type, so a nameless ``upload`` with
+  ``application/octet-stream`` works.
+- ``model`` (required): one of the served names (``GET /v1/models``); anything else is a 404.
+- ``prompt``: the model's instruction text. GLM-ASR is prompted with an instruction ("Please transcribe this audio
+  into text" by default); ``prompt`` *replaces* it, exactly like ``glmasr --prompt`` and ``DecodeOptions.prompt``.
+- ``keywords[]``: hotwords, folded into the instruction (``build_instruction``): the instruction (``prompt`` or the
+  default) followed by a new line and ``Hotwords: kw1, kw2, ...``. Each keyword is stripped; empty ones are refused.
+- ``language``: an ISO-639-1 code, validated (anything else is a 400) and echoed in ``verbose_json``. It does *not*
+  steer the model: GLM-ASR-Nano-2512 has no language token and recognises the language itself; to steer it, say so
+  in ``prompt``. Without it ``verbose_json`` reports ``"unknown"`` (the engine does no language identification).
+- ``temperature``: absent or 0 = greedy decoding, the only decoding the engine implements; any other value is a 400.
+- ``response_format``: ``json`` (default), ``text``, ``srt``, ``vtt``, ``verbose_json``.
+- ``timestamp_granularities[]``: ``segment`` (needs ``verbose_json``); ``word`` is a 400 until word times exist.
+- ``stream``: "true" sends server-sent events (``transcript.text.delta`` ..., ``transcript.text.done``,
+  ``[DONE]``); with ``response_format`` json or text only.
+- ``chunking_strategy``: ``auto`` = the engine's own segmentation (non-overlapping 30 s windows, packed into
+  prompts of up to 21 windows); ``server_vad`` is a 400 until the VAD segmentation exists.
+- ``include[]`` (logprobs), ``languages[]``, ``known_speaker_*``: not implemented, a 400; any other field: a 400.
+
+Segments: the engine's result has no timestamps yet. What it does have is exact: the audio is cut into 30 s
+windows, packed into prompts ("groups", one group for audio up to ~7 minutes at the default budget), and each
+group's text is decoded from its own prompt. So ``verbose_json`` has one segment per group, spanning exactly the
+audio of that group (start = the group's first window, end = its last sample), with that group's text and tokens;
+SRT/VTT have one cue per non-empty segment. A segment's times are the bounds of the audio it came from, not of the
+speech in it. ``avg_logprob`` and ``no_speech_prob`` are not computed (0.0); ``compression_ratio`` is the text's
+UTF-8 length over its zlib-compressed length (as Whisper computes it); ``temperature`` is 0.0 (greedy).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+
+RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+DEFAULT_MODEL_NAME = "glm-asr-nano-2512"
+MAX_PROMPT_CHARS = 4000
+MAX_KEYWORDS = 100
+
+# ISO 639-1 (the two-letter codes)
+ISO_639_1 = frozenset("""
+aa ab ae af ak am an ar as av ay az ba be bg bi bm bn bo br bs ca ce ch co cr cs cu cv cy da de dv dz ee el en eo
+es et eu fa ff fi fj fo fr fy ga gd gl gn gu gv ha he hi ho hr ht hu hy hz ia id ie ig ii ik io is it iu ja jv ka
+kg ki kj kk kl km kn ko kr ks ku kv kw ky la lb lg li ln lo lt lu lv mg mh mi mk ml mn mr ms mt my na nb nd ne ng
+nl nn no nr nv ny oc oj om or os pa pi pl ps pt qu rm rn ro ru rw sa sc sd se sg si sk sl sm sn so sq sr ss st su
+sv sw ta te tg th ti tk tl tn to tr ts tt tw ty ug uk ur uz ve vi vo wa wo xh yi yo za zh zu
+""".split())
+
+_KNOWN_FIELDS = {"file", "model", "prompt", "keywords[]", "keywords", "language", "temperature", "response_format",
+                 "timestamp_granularities[]", "timestamp_granularities", "stream", "chunking_strategy",
+                 "chunking_strategy[type]"}
+_UNSUPPORTED_FIELDS = {
+    "include[]": "include[] (logprobs) is not implemented: the engine does not return token log probabilities",
+    "languages[]": "languages[] is not supported; pass one ISO-639-1 code as language",
+    "known_speaker_names[]": "speaker diarization (known_speaker_names[]) is not implemented",
+    "known_speaker_references[]": "speaker diarization (known_speaker_references[]) is not implemented",
+}
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI envelope: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass
+class TranscriptionRequest:
+    """A validated request (the file still undecoded)."""
+
+    data: bytes
+    filename: str
+    model: str
+    prompt: str | None = None
+    keywords: list[str] = field(default_factory=list)
+    language: str | None = None
+    response_format: str = "json"
+    stream: bool = False
+    granularities: list[str] = field(default_factory=list)
+
+    @property
+    def instruction(self) -> str | None:
+        return build_instruction(self.prompt, self.keywords)
+
+
+def build_instruction(prompt: str | None, keywords: list[str], default: str | None = None) -> str | None:
+    """The model's instruction: ``prompt`` (or the checkpoint's default when None) plus ``\\nHotwords: a, b`` when
+    there are keywords. None = the checkpoint's default instruction unchanged."""
+    if not keywords:
+        return prompt
+    if prompt is None:
+        from ..tokenizer import DEFAULT_PROMPT
+
+        prompt = default or DEFAULT_PROMPT
+    return f"{prompt}\nHotwords: {', '.join(keywords)}"
+
+
+def _text_field(form, name: str) -> str | None:
+    values = form.getlist(name)
+    if not values:
+        return None
+    if len(values) > 1:
+        raise bad_request(f"{name} was sent {len(values)} times; send it once", name)
+    value = values[0]
+    if not isinstance(value, str):
+        raise bad_request(f"{name} must be a text field, not a file upload", name, "invalid_type")
+    return value
+
+
+def _list_field(form, name: str) -> list[str]:
+    values = form.getlist(name) + form.getlist(name.removesuffix("[]"))
+    for v in values:
+        if not isinstance(v, str):
+            raise bad_request(f"{name} must be text fields, not file uploads", name, "invalid_type")
+    return values
+
+
+def _bool_field(form, name: str) -> bool:
+    raw = _text_field(form, name)
+    if raw is None:
+        return False
+    value = raw.strip().lower()
+    if value in ("true", "1"):
+        return True
+    if value in ("false", "0", ""):
+        return False
+    raise bad_request(f"{name} must be true or false, got {raw!r}", name, "invalid_type")
+
+
+def parse_form(form, file_data: bytes, filename: str) -> TranscriptionRequest:
+    """Validate every field but the file's content (the caller has read ``file_data`` from ``form['file']``)."""
+    for key in form.keys():
+        if key in _UNSUPPORTED_FIELDS:
+            raise bad_request(_UNSUPPORTED_FIELDS[key], key, "unsupported_parameter")
+        if key not in _KNOWN_FIELDS and not key.startswith("chunking_strategy["):
+            raise bad_request(f"unknown parameter {key!r}", key, "unknown_parameter")
+    model = _text_field(form, "model")
+    if model is None or not model.strip():
+        raise bad_request("you must provide a model parameter", "model", "missing_required_parameter")
+    prompt = _text_field(form, "prompt")
+    if prompt is not None:
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise bad_request(f"prompt is {len(prompt)} characters; at most {MAX_PROMPT_CHARS} are accepted",
+                              "prompt")
+        if "\x00" in prompt:
+            raise bad_request("prompt must not contain NUL characters", "prompt")
+        prompt = prompt if prompt.strip() else None
+    keywords = []
+    for kw in _list_field(form, "keywords[]"):
+        kw = kw.strip()
+        if not kw or "\x00" in kw:
+            raise bad_request("keywords[] entries must be non-empty text", "keywords")
+        keywords.append(kw)
+    if len(keywords) > MAX_KEYWORDS:
+        raise bad_request(f"{len(keywords)} keywords; at most {MAX_KEYWORDS} are accepted", "keywords")
+    if sum(len(k) for k in keywords) + len(prompt or "") > MAX_PROMPT_CHARS:
+        raise bad_request(f"prompt and keywords together exceed {MAX_PROMPT_CHARS} characters", "keywords")
+    language = _text_field(form, "language")
+    if language is not None:
+        language = language.strip().lower()
+        if language not in ISO_639_1:
+            raise bad_request(f"language must be an ISO-639-1 code such as 'en' or 'zh', got {language!r}",
+                              "language", "invalid_language")
+    temperature = _text_field(form, "temperature")
+    if temperature is not None:
+        try:
+            t = float(temperature)
+        except ValueError:
+            raise bad_request(f"temperature must be a number, got {temperature!r}", "temperature",
+                              "invalid_type") from None
+        if t != 0.0:
+            raise bad_request(f"temperature={temperature} is not supported: this server decodes greedily; send 0 "
+                              "or leave temperature out", "temperature", "unsupported_value")
+    response_format = _text_field(form, "response_format") or "json"
+    if response_format not in RESPONSE_FORMATS:
+        raise bad_request(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {response_format!r}",
+                          "response_format")
+    granularities = _list_field(form, "timestamp_granularities[]")
+    for g in granularities:
+        if g == "word":
+            raise bad_request("timestamp_granularities[]=word is not supported yet: the engine has no word "
+                              "timestamps; use segment", "timestamp_granularities", "unsupported_value")
+        if g != "segment":
+            raise bad_request(f"timestamp_granularities[] entries must be 'segment' (or 'word', not supported yet), "
+                              f"got {g!r}", "timestamp_granularities")
+    if granularities and response_format != "verbose_json":
+        raise bad_request("timestamp_granularities[] needs response_format=verbose_json",
+                          "timestamp_granularities")
+    stream = _bool_field(form, "stream")
+    if stream and response_format not in ("json", "text"):
+        raise bad_request(f"stream=true sends transcript.text events; response_format={response_format} cannot be "
+                          "streamed (use json or text, or stream=false)", "stream", "unsupported_value")
+    chunking = _text_field(form, "chunking_strategy")
+    chunking_type = _text_field(form, "chunking_strategy[type]")
+    if chunking is not None:
+        try:
+            decoded = json.loads(chunking)
+        except ValueError:
+            decoded = chunking
+        if isinstance(decoded, dict):
+            chunking_type = decoded.get("type")
+        elif decoded != "auto":
+            raise bad_request(f"chunking_strategy must be 'auto' or an object with type 'server_vad', got "
+                              f"{chunking!r}", "chunking_strategy")
+    if chunking_type is not None:
+        if chunking_type == "server_vad":
+            raise bad_request("chunking_strategy server_vad is not implemented yet; use 'auto' (30 s windows)",
+                              "chunking_strategy", "unsupported_value")
+        raise bad_request(f"chunking_strategy type must be 'server_vad', got {chunking_type!r}", "chunking_strategy")
+    return TranscriptionRequest(data=file_data, filename=filename, model=model.strip(), prompt=prompt,
+                                keywords=keywords, language=language, response_format=response_format,
+                                stream=stream, granularities=granularities)
+
+
+# ---- responses ----
+@dataclass
+class Segment:
+    id: int
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+
+    def verbose(self) -> dict:
+        return {"id": self.id, "seek": int(round(self.start * 100)), "start": round(self.start, 3),
+                "end": round(self.end, 3), "text": self.text, "tokens": list(self.tokens), "temperature": 0.0,
+                "avg_logprob": 0.0, "compression_ratio": compression_ratio(self.text), "no_speech_prob": 0.0}
+
+
+def compression_ratio(text: str) -> float:
+    data = text.encode("utf-8")
+    return round(len(data) / len(zlib.compress(data)), 4) if data else 0.0
+
+
+def duration_usage(seconds: float) -> dict:
+    return {"type": "duration", "seconds": round(seconds, 3)}
+
+
+def json_body(text: str, seconds: float) -> dict:
+    return {"text": text, "usage": duration_usage(seconds)}
+
+
+def verbose_body(text: str, seconds: float, language: str | None, segments: list[Segment]) -> dict:
+    return {"task": "transcribe", "language": language or "unknown", "duration": round(seconds, 3), "text": text,
+            "segments": [s.verbose() for s in segments], "usage": duration_usage(seconds)}
+
+
+def _timestamp(seconds: float, decimal: str, always_hours: bool) -> str:
+    ms = max(0, int(round(seconds * 1000)))
+    h, ms = divmod(ms, 3_600_000)
+    m, ms = divmod(ms, 60_000)
+    s, ms = divmod(ms, 1000)
+    head = f"{h:02d}:" if always_hours or h else ""
+    return f"{head}{m:02d}:{s:02d}{decimal}{ms:03d}"
+
+
+def _cue_text(text: str) -> str:
+    return text.replace("-->", "->").strip()
+
+
+def srt_body(segments: list[Segment]) -> str:
+    cues = [s for s in segments if _cue_text(s.text)]
+    return "".join(f"{i}\n{_timestamp(s.start, ',', True)} --> {_timestamp(s.end, ',', True)}\n{_cue_text(s.text)}\n\n"
+                   for i, s in enumerate(cues, 1))
+
+
+def vtt_body(segments: list[Segment]) -> str:
+    cues = [s for s in segments if _cue_text(s.text)]
+    return "WEBVTT\n\n" + "".join(
+        f"{_timestamp(s.start, '.', False)} --> {_timestamp(s.end, '.', False)}\n{_cue_text(s.text)}\n\n"
+        for s in cues)
+
+
+def sse(payload) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode("utf-8")
+
+
+def delta_event(text: str) -> bytes:
+    return sse({"type": "transcript.text.delta", "delta": text})
+
+
+def done_event(text: str, input_tokens: int, output_tokens: int) -> bytes:
+    return sse({"type": "transcript.text.done", "text": text,
+                "usage": {"type": "tokens", "input_tokens": input_tokens, "output_tokens": output_tokens,
+                          "total_tokens": input_tokens + output_tokens}})
+
+
+def error_event(message: str, type: str = "server_error", code: str | None = None) -> bytes:
+    return sse({"type": "error", **error_body(message, type, None, code)})

@@ -1,0 +1,623 @@
+"""The OpenAI-compatible server (glmasr.server), tested with the real ``openai`` client: in-process through
+Starlette's TestClient (no socket), and against real ``glmasr serve`` processes (uvicorn) on 127.0.0.1.
+
+The references are the engine's own results for the same bytes (``asr.submit(path)``), so every check is exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+pytest.importorskip("fastapi")
+pytest.importorskip("multipart")
+openai = pytest.importorskip("openai")
+httpx2 = pytest.importorskip("httpx2")
+from starlette.testclient import TestClient  # noqa: E402
+
+import glmasr  # noqa: E402
+from glmasr.options import DecodeOptions  # noqa: E402
+from glmasr.server import ServerConfig, create_app  # noqa: E402
+from glmasr.server.protocol import build_instruction  # noqa: E402
+
+from conftest import noise  # noqa: E402
+
+KEY = "test-key"
+MODEL = "glm-asr-nano-2512"
+ENVELOPE = {"message", "type", "param", "code"}
+
+
+def encode(samples: np.ndarray, fmt: str = "WAV", rate: int = 16000, subtype: str | None = None) -> bytes:
+    b = io.BytesIO()
+    sf.write(b, samples, rate, format=fmt, subtype=subtype)
+    return b.getvalue()
+
+
+@pytest.fixture(scope="module")
+def asr(tiny_shipped):
+    handle = glmasr.load(tiny_shipped, device="cpu", max_batch=8)
+    yield handle
+    handle.close()
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory, asr):
+    """Audio files (bytes) and the text the engine gives each alone."""
+    folder = tmp_path_factory.mktemp("clips")
+    out = {}
+    for name, seconds, seed, fmt, rate in [("a.wav", 5, 2, "WAV", 16000), ("b.flac", 10, 3, "FLAC", 16000),
+                                           ("c.ogg", 3, 4, "OGG", 22050), ("d.wav", 30, 2, "WAV", 8000)]:
+        data = encode(noise(seconds, seed, rate=rate), fmt, rate)
+        path = folder / name
+        path.write_bytes(data)
+        out[name] = (data, asr.submit(str(path)).result())
+    return out
+
+
+def wait_healthy(get, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if get("/health").status_code == 200:
+                return
+        except Exception:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("server did not become healthy in time")
+
+
+@pytest.fixture(scope="module")
+def tc(asr):
+    app = create_app(asr, ServerConfig(api_key=KEY, close_engine=False, warmup="request"))
+    with TestClient(app, base_url="http://testserver") as client:
+        wait_healthy(client.get)
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(tc):
+    return openai.OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=tc, max_retries=0)
+
+
+def post(tc, data=None, files=None, key=KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return tc.post("/v1/audio/transcriptions", data=data or {}, files=files, headers=headers, **kw)
+
+
+def assert_error(resp, status, param=None, code=None, match=None):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == ENVELOPE
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    if match is not None:
+        assert re.search(match, err["message"]), err["message"]
+    return err
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert m, f"{name} not in metrics"
+    return float(m.group(1))
+
+
+# ---- in-process, through the openai client ----
+def test_models_health_and_metrics(tc, client, asr):
+    assert tc.get("/health").json()["status"] == "ok"
+    assert [m.id for m in client.models.list().data] == [MODEL, asr.folder.name]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("whisper-1")
+    text = tc.get("/metrics").text
+    for name in ("glmasr_requests_total", "glmasr_audio_seconds_total", "glmasr_queue_depth",
+                 "glmasr_engine_pending_requests", "glmasr_time_to_first_token_seconds_bucket",
+                 "glmasr_request_latency_seconds_bucket", "glmasr_generated_tokens_total",
+                 "glmasr_prompt_tokens_total"):
+        assert name in text
+
+
+def test_json_text_and_formats_equal_the_engine(client, clips, tc, asr):
+    before = tc.get("/metrics").text
+    for name, (data, ref) in clips.items():
+        r = client.audio.transcriptions.create(file=(name, data), model=MODEL)
+        assert r.text == ref.text and r.usage.type == "duration"
+        assert r.usage.seconds == pytest.approx(ref.duration_s, abs=1e-3)
+    data, ref = clips["a.wav"]
+    # a nameless upload arrives as 'upload' with application/octet-stream: the format comes from the bytes
+    assert client.audio.transcriptions.create(file=data, model=MODEL).text == ref.text
+    assert client.audio.transcriptions.create(file=io.BytesIO(clips["b.flac"][0]), model=asr.folder.name
+                                              ).text == clips["b.flac"][1].text
+    text = client.audio.transcriptions.create(file=data, model=MODEL, response_format="text")
+    assert isinstance(text, str) and text == ref.text
+    after = tc.get("/metrics").text
+    ok = 'glmasr_requests_total{outcome="ok"}'
+    assert metric(after, ok) - metric(before, ok) == 7
+    assert metric(after, "glmasr_audio_seconds_total") - metric(before, "glmasr_audio_seconds_total") == \
+        pytest.approx(5 + 10 + 3 + 30 + 5 + 10 + 5, abs=0.01)
+    assert metric(after, "glmasr_generated_tokens_total") > metric(before, "glmasr_generated_tokens_total")
+    for name in ("glmasr_time_to_first_token_seconds_count", 'glmasr_request_latency_seconds_count{stream="false"}'):
+        assert metric(after, name) - metric(before, name) == 7
+
+
+def test_subtitles_and_verbose_json(client, clips):
+    data, ref = clips["d.wav"]
+    srt = client.audio.transcriptions.create(file=data, model=MODEL, response_format="srt")
+    assert srt == f"1\n00:00:00,000 --> 00:00:30,000\n{ref.text.replace('-->', '->').strip()}\n\n"
+    vtt = client.audio.transcriptions.create(file=data, model=MODEL, response_format="vtt")
+    assert vtt == f"WEBVTT\n\n00:00.000 --> 00:30.000\n{ref.text.replace('-->', '->').strip()}\n\n"
+    v = client.audio.transcriptions.create(file=data, model=MODEL, response_format="verbose_json",
+                                           timestamp_granularities=["segment"], language="en")
+    assert v.text == ref.text and v.duration == pytest.approx(30.0) and v.language == "en"
+    assert v.usage.seconds == pytest.approx(30.0)
+    (seg,) = v.segments
+    assert (seg.id, seg.start, seg.end, seg.text, seg.tokens) == (0, 0.0, 30.0, ref.text, ref.token_ids)
+    assert seg.temperature == 0.0 and seg.seek == 0 and isinstance(seg.compression_ratio, float)
+    v = client.audio.transcriptions.create(file=data, model=MODEL, response_format="verbose_json")
+    assert v.language == "unknown"
+
+
+def test_long_audio_has_one_segment_per_prompt_group(client, asr, tmp_path):
+    path = tmp_path / "long.flac"
+    path.write_bytes(encode(noise(450, 2, rate=8000), "FLAC", 8000))
+    ref = asr.submit(str(path)).result()
+    assert ref.num_groups == 2
+    v = client.audio.transcriptions.create(file=path.read_bytes(), model=MODEL, response_format="verbose_json")
+    assert v.text == ref.text and [s.id for s in v.segments] == [0, 1]
+    assert v.segments[0].start == 0.0 and v.segments[0].end == v.segments[1].start and v.segments[1].end == 450.0
+    assert v.segments[0].end % 30 == 0
+    assert " ".join(s.text for s in v.segments if s.text) == ref.text
+    assert [t for s in v.segments for t in s.tokens] == ref.token_ids
+    srt = client.audio.transcriptions.create(file=path.read_bytes(), model=MODEL, response_format="srt")
+    cues = [c for c in srt.split("\n\n") if c]
+    assert len(cues) == sum(1 for s in v.segments if s.text)
+    assert cues[-1].split("\n")[1].endswith("--> 00:07:30,000")
+
+
+def test_prompt_and_keywords_reach_the_model(client, clips, asr, tmp_path):
+    data, _ = clips["b.flac"]
+    path = tmp_path / "b.flac"
+    path.write_bytes(data)
+    for prompt, keywords in [("Transcribe this, please", []), (None, ["GLM", "Zhipu AI"]), ("Hi", ["x"])]:
+        ref = asr.submit(str(path), DecodeOptions(prompt=build_instruction(prompt, keywords))).result()
+        kwargs = {"prompt": prompt} if prompt else {}
+        if keywords:
+            kwargs["extra_body"] = {"keywords": keywords}
+        r = client.audio.transcriptions.create(file=data, model=MODEL, **kwargs)
+        assert r.text == ref.text
+    assert build_instruction(None, ["a", "b"]) == "Please transcribe this audio into text\nHotwords: a, b"
+    assert build_instruction("P", []) == "P"
+
+
+def test_streaming_events(client, clips, tc):
+    for name in ("a.wav", "d.wav"):
+        data, ref = clips[name]
+        events = list(client.audio.transcriptions.create(file=data, model=MODEL, stream=True))
+        deltas = [e for e in events if e.type == "transcript.text.delta"]
+        done = events[-1]
+        assert done.type == "transcript.text.done"
+        assert [e.type for e in events[:-1]] == ["transcript.text.delta"] * len(deltas)
+        assert "".join(d.delta for d in deltas) == done.text == ref.text
+        assert done.usage.output_tokens == len(ref.token_ids)
+        assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
+        nonstream = client.audio.transcriptions.create(file=data, model=MODEL)
+        assert nonstream.text == done.text
+    # the wire format: data: lines, the done event, then [DONE]
+    resp = post(tc, {"model": MODEL, "stream": "true"}, {"file": ("upload", clips["a.wav"][0])})
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+    lines = [ln for ln in resp.text.split("\n") if ln]
+    assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["type"] == "transcript.text.done"
+
+
+def test_bad_inputs_answer_400_in_the_openai_envelope(tc, client, clips):
+    wav = clips["a.wav"][0]
+    flac = clips["b.flac"][0]
+    cases = [
+        ({"model": MODEL}, {"file": ("x.wav", b"this is not audio at all" * 10)}, "file", "invalid_audio"),
+        ({"model": MODEL}, {"file": ("x.wav", b"")}, "file", "empty_file"),
+        ({"model": MODEL}, {"file": ("x.flac", flac[: len(flac) // 2])}, "file", "invalid_audio"),  # truncated
+        ({"model": MODEL}, {"file": ("x.wav", wav[:44])}, "file", "invalid_audio"),  # header only: 0 samples
+        ({"model": MODEL}, {"file": ("x.wav", encode(noise(0.02, 1)))}, "file", "invalid_audio"),  # too short
+        ({"model": MODEL, "response_format": "xml"}, {"file": ("a.wav", wav)}, "response_format", None),
+        ({"model": MODEL}, {"file": (None, b"not a file")}, "file", "invalid_type"),  # a text part
+        ({}, {"file": ("a.wav", wav), "model": ("m.txt", b"glm")}, "model", "invalid_type"),
+        ({}, {"file": ("a.wav", wav)}, "model", "missing_required_parameter"),
+        ({"model": MODEL}, {"other": ("a.wav", wav)}, "file", "missing_required_parameter"),
+        ({"model": MODEL, "stream": "maybe"}, {"file": ("a.wav", wav)}, "stream", "invalid_type"),
+        ({"model": MODEL, "temperature": "warm"}, {"file": ("a.wav", wav)}, "temperature", "invalid_type"),
+        ({"model": MODEL, "temperature": "0.2"}, {"file": ("a.wav", wav)}, "temperature", "unsupported_value"),
+        ({"model": MODEL, "language": "english"}, {"file": ("a.wav", wav)}, "language", "invalid_language"),
+        ({"model": MODEL, "timestamp_granularities[]": "word", "response_format": "verbose_json"},
+         {"file": ("a.wav", wav)}, "timestamp_granularities", "unsupported_value"),
+        ({"model": MODEL, "timestamp_granularities[]": "segment"}, {"file": ("a.wav", wav)},
+         "timestamp_granularities", None),
+        ({"model": MODEL, "stream": "true", "response_format": "srt"}, {"file": ("a.wav", wav)}, "stream", None),
+        ({"model": MODEL, "include[]": "logprobs"}, {"file": ("a.wav", wav)}, "include[]", "unsupported_parameter"),
+        ({"model": MODEL, "chunking_strategy[type]": "server_vad"}, {"file": ("a.wav", wav)},
+         "chunking_strategy", "unsupported_value"),
+        ({"model": MODEL, "frobnicate": "1"}, {"file": ("a.wav", wav)}, "frobnicate", "unknown_parameter"),
+        ({"model": MODEL, "keywords[]": " "}, {"file": ("a.wav", wav)}, "keywords", None),
+    ]
+    for data, files, param, code in cases:
+        assert_error(post(tc, data, files), 400, param, code)
+    # a JSON body instead of multipart
+    r = tc.post("/v1/audio/transcriptions", json={"model": MODEL}, headers={"Authorization": f"Bearer {KEY}"})
+    assert_error(r, 400, None, "invalid_content_type")
+    # through the client: the typed exceptions carry param and code
+    with pytest.raises(openai.BadRequestError) as e:
+        client.audio.transcriptions.create(file=wav, model=MODEL, temperature=0.7)
+    assert e.value.param == "temperature" and e.value.code == "unsupported_value"
+    with pytest.raises(openai.BadRequestError, match="word"):
+        client.audio.transcriptions.create(file=wav, model=MODEL, response_format="verbose_json",
+                                           timestamp_granularities=["word"])
+    with pytest.raises(openai.NotFoundError) as e:
+        client.audio.transcriptions.create(file=wav, model="whisper-1")
+    assert e.value.param == "model" and e.value.code == "model_not_found"
+    assert client.audio.transcriptions.create(file=wav, model=MODEL, temperature=0).text == clips["a.wav"][1].text
+    assert client.audio.transcriptions.create(file=wav, model=MODEL, language="zh").text == clips["a.wav"][1].text
+    assert client.audio.transcriptions.create(file=wav, model=MODEL, chunking_strategy="auto"
+                                              ).text == clips["a.wav"][1].text
+    with pytest.raises(openai.BadRequestError, match="server_vad"):
+        client.audio.transcriptions.create(file=wav, model=MODEL, chunking_strategy={"type": "server_vad"})
+    assert_error(tc.get("/v1/nope"), 404)
+
+
+def test_auth(tc, clips):
+    wav = clips["c.ogg"][0]
+    for key in (None, "wrong"):
+        assert_error(post(tc, {"model": MODEL}, {"file": ("a.ogg", wav)}, key=key), 401, code="invalid_api_key")
+        assert_error(tc.get("/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {}), 401)
+    bad = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=tc, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.audio.transcriptions.create(file=wav, model=MODEL)
+    assert tc.get("/health").status_code == 200 and tc.get("/metrics").status_code == 200  # open
+
+
+def test_limits(asr, clips):
+    app = create_app(asr, ServerConfig(max_upload_bytes=200_000, max_audio_s=8, close_engine=False,
+                                       warmup="none"))
+    with TestClient(app, base_url="http://testserver") as tc:
+        wait_healthy(tc.get)
+        assert_error(post(tc, {"model": MODEL}, {"file": ("a.wav", clips["a.wav"][0][:10]
+                                                          + os.urandom(300_000))}), 413, "file", "file_too_large")
+        assert_error(post(tc, {"model": MODEL}, {"file": ("big", os.urandom(3_000_000))}), 413, "file",
+                     "file_too_large")
+        # 10 s of FLAC fits the upload limit but not the duration limit: refused from its header
+        small_long = encode(noise(10, 5, rate=8000), "OGG", 8000)
+        assert len(small_long) < 200_000
+        assert_error(post(tc, {"model": MODEL}, {"file": ("l.ogg", small_long)}), 413, "file", "audio_too_long",
+                     match="8 s")
+        ok = post(tc, {"model": MODEL}, {"file": ("c.ogg", clips["c.ogg"][0])})
+        assert ok.status_code == 200 and ok.json()["text"] == clips["c.ogg"][1].text
+        m = tc.get("/metrics").text
+        assert metric(m, 'glmasr_requests_total{outcome="too_large"}') == 3
+
+
+def test_warmup_gates_health(asr, clips):
+    gate = threading.Event()
+    app = create_app(asr, ServerConfig(close_engine=False, warmup="full"))
+    original = asr.warmup
+    asr.warmup = lambda: gate.wait(30) and original(batch_sizes=(1,), kv_lens=(256,), prefill_lengths=(64,))
+    try:
+        with TestClient(app, base_url="http://testserver") as tc:
+            r = tc.get("/health")
+            assert r.status_code == 503 and r.json()["status"] == "warming_up"
+            assert_error(post(tc, {"model": MODEL}, {"file": ("a.wav", clips["a.wav"][0])}), 503, code="not_ready")
+            gate.set()
+            wait_healthy(tc.get, 30)
+            assert post(tc, {"model": MODEL}, {"file": ("a.wav", clips["a.wav"][0])}).status_code == 200
+    finally:
+        del asr.warmup
+
+
+def test_bounded_queue_answers_429(asr, clips):
+    app = create_app(asr, ServerConfig(max_queue=2, close_engine=False, warmup="none"))
+    data, ref = clips["a.wav"]
+    with TestClient(app, base_url="http://testserver") as tc:
+        wait_healthy(tc.get)
+        gate = threading.Event()
+        held = asr.loop.call(lambda eng: gate.wait(30))  # the engine thread is busy: requests wait in its queue
+        with ThreadPoolExecutor(2) as pool:
+            futs = [pool.submit(post, tc, {"model": MODEL}, {"file": ("a.wav", data)}) for _ in range(2)]
+            deadline = time.monotonic() + 20
+            while metric(tc.get("/metrics").text, "glmasr_queue_depth") < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            m = tc.get("/metrics").text
+            assert metric(m, "glmasr_queue_depth") == 2
+            r = post(tc, {"model": MODEL}, {"file": ("a.wav", data)})
+            assert_error(r, 429, code="queue_full")
+            assert r.headers["retry-after"] == "1"
+            client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
+            with pytest.raises(openai.RateLimitError):
+                client.audio.transcriptions.create(file=data, model=MODEL)
+            gate.set()
+            held.result(10)
+            assert [f.result(30).json()["text"] for f in futs] == [ref.text, ref.text]
+        assert metric(tc.get("/metrics").text, 'glmasr_requests_total{outcome="rejected"}') == 2
+        assert metric(tc.get("/metrics").text, "glmasr_queue_depth") == 0
+
+
+def test_concurrent_clients_in_process(client, clips):
+    names = list(clips) * 2
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(lambda n: client.audio.transcriptions.create(file=(n, clips[n][0]), model=MODEL).text,
+                              names))
+    assert texts == [clips[n][1].text for n in names]
+
+
+def encode_to_array(data: bytes) -> np.ndarray:
+    samples, _ = sf.read(io.BytesIO(data), dtype="float32")
+    return samples
+
+
+def _slow_steps(asr, delay):
+    """Slow the engine down (each step sleeps): a request then lasts long enough to be cut off."""
+    engine = asr.engine
+    original = engine.step
+
+    def step():
+        time.sleep(delay)
+        return original()
+    engine.step = step
+    return lambda: delattr(engine, "step")
+
+
+def _multipart(fields: dict, file_bytes: bytes) -> tuple[bytes, str]:
+    boundary = "glmasrtestboundary"
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+             for k, v in fields.items()]
+    parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="upload"\r\n'
+                 f"Content-Type: application/octet-stream\r\n\r\n".encode() + file_bytes + b"\r\n")
+    return b"".join(parts) + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+def _wait_idle(asr, timeout=5.0) -> float:
+    t0 = time.monotonic()
+    while asr.loop.num_pending or asr.engine.has_unfinished():
+        assert time.monotonic() - t0 < timeout, "the engine still has the request"
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_aborts_the_engine_request(asr, clips, stream):
+    """Drive the ASGI app directly: the client goes away once the engine is decoding its request (for a stream:
+    after the first delta); its engine request must be gone at once, long before it would have finished."""
+    app = create_app(asr, ServerConfig(close_engine=False, warmup="none"))
+    data = encode(noise(30, 2), "WAV")
+    ref = asr.submit(encode_to_array(data), sampling_rate=16000).result()
+    assert len(ref.token_ids) >= 100  # >= 13 engine steps of 8 tokens: >= 2.6 s at 0.2 s a step
+    body, ctype = _multipart({"model": MODEL, "stream": "true" if stream else "false"}, data)
+    restore = _slow_steps(asr, 0.2)
+
+    async def run():
+        sent, gone = [], asyncio.Event()
+        state = {"body_sent": False}
+
+        async def receive():
+            if not state["body_sent"]:
+                state["body_sent"] = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+            if message["type"] == "http.response.body" and b"transcript.text.delta" in message.get("body", b""):
+                gone.set()
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/audio/transcriptions", "raw_path": b"/v1/audio/transcriptions",
+                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("testserver", 80),
+                 "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]}
+        async with app.router.lifespan_context(app):
+            while not app.state.glmasr.ready:
+                await asyncio.sleep(0.01)
+            task = asyncio.create_task(app(scope, receive, send))
+            if not stream:  # disconnect once the engine is decoding it
+                while not asr.engine.has_unfinished():
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.3)
+                gone.set()
+            await asyncio.wait_for(gone.wait(), 20)
+            t_gone = time.monotonic()
+            await asyncio.wait_for(task, 10)
+            idle_after = await asyncio.to_thread(_wait_idle, asr)
+            return sent, time.monotonic() - t_gone, idle_after
+
+    try:
+        before = asr.engine  # the slowed engine object must be the one serving
+        sent, elapsed, idle_after = asyncio.run(run())
+        assert asr.engine is before
+    finally:
+        restore()
+    bodies = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert b"transcript.text.done" not in bodies and b'"text"' not in bodies
+    assert elapsed < 2.5 and idle_after < 2.0  # the whole request would take >= 2.6 s more
+    m = app.state.metrics.render().decode()
+    assert metric(m, 'glmasr_requests_total{outcome="aborted"}') == 1
+
+
+# ---- real processes: glmasr serve under uvicorn on 127.0.0.1 ----
+LAUNCHER = """
+import os, sys, time
+delay = float(os.environ.get("GLMASR_TEST_STEP_DELAY", "0"))
+if delay:  # test hook: every engine step sleeps, so a request lasts long enough to be interrupted
+    from glmasr.engine.engine import Engine
+    _step = Engine.step
+    def step(self):
+        time.sleep(delay)
+        return _step(self)
+    Engine.step = step
+from glmasr.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, folder: Path, tmp: Path, delay: float = 0.0, extra=()):
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        launcher = tmp / "launch_server.py"
+        launcher.write_text(LAUNCHER)
+        env = dict(os.environ, GLMASR_TEST_STEP_DELAY=str(delay), PYTHONUNBUFFERED="1")
+        self.log = open(tmp / f"server-{self.port}.log", "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(launcher), "serve", "--model", str(folder), "--device", "cpu", "--host",
+             "127.0.0.1", "--port", str(self.port), "--api-key", KEY, "--max-batch", "8", "--warmup", "request",
+             "--log-level", "warning", *extra], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.http = httpx2.Client(base_url=self.base, timeout=30)
+        try:
+            deadline = time.monotonic() + 90
+            while True:
+                assert self.proc.poll() is None, f"server exited: {self.output()}"
+                assert time.monotonic() < deadline, f"server not healthy in time: {self.output()}"
+                try:
+                    if self.http.get("/health").status_code == 200:
+                        break
+                except httpx2.TransportError:
+                    pass
+                time.sleep(0.1)
+        except BaseException:
+            self.stop()
+            raise
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-3000:]
+
+    def client(self, cls=None):
+        return (cls or openai.OpenAI)(base_url=f"{self.base}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+    def metrics(self) -> str:
+        return self.http.get("/metrics").text
+
+    def stop(self):
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def live(tiny_shipped, tmp_path_factory):
+    server = ServerProcess(tiny_shipped, tmp_path_factory.mktemp("live"), extra=["--max-upload-mb", "1"])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def slow_live(tiny_shipped, tmp_path_factory):
+    server = ServerProcess(tiny_shipped, tmp_path_factory.mktemp("slow_live"), delay=0.2)
+    yield server
+    server.stop()
+
+
+def test_live_server_with_the_openai_client(live, clips):
+    c = live.client()
+    assert MODEL in [m.id for m in c.models.list().data]
+    data, ref = clips["b.flac"]
+    assert c.audio.transcriptions.create(file=data, model=MODEL).text == ref.text
+    assert c.audio.transcriptions.create(file=("b.flac", data), model=MODEL, response_format="text") == ref.text
+    assert "-->" in c.audio.transcriptions.create(file=data, model=MODEL, response_format="vtt")
+    events = list(c.audio.transcriptions.create(file=data, model=MODEL, stream=True))
+    assert "".join(e.delta for e in events[:-1]) == events[-1].text == ref.text
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{live.base}/v1", api_key="nope", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError):
+        c.audio.transcriptions.create(file=b"RIFF....WAVEnope", model=MODEL)
+    with pytest.raises(openai.APIStatusError) as e:  # over the socket: the body is drained, the 413 arrives
+        c.audio.transcriptions.create(file=os.urandom(3 * 1024 * 1024), model=MODEL)
+    assert e.value.status_code == 413 and e.value.code == "file_too_large"
+
+
+def test_live_server_concurrent_async_clients(live, clips):
+    names = list(clips) * 2
+
+    async def run():
+        c = live.client(openai.AsyncOpenAI)
+        async def one(n):
+            if names.index(n) % 2:
+                events = [e async for e in await c.audio.transcriptions.create(file=(n, clips[n][0]), model=MODEL,
+                                                                                 stream=True)]
+                return events[-1].text
+            return (await c.audio.transcriptions.create(file=(n, clips[n][0]), model=MODEL)).text
+        try:
+            return await asyncio.gather(*(one(n) for n in names))
+        finally:
+            await c.close()
+
+    assert asyncio.run(run()) == [clips[n][1].text for n in names]
+    m = live.metrics()
+    assert metric(m, "glmasr_engine_pending_requests") == 0 and metric(m, "glmasr_queue_depth") == 0
+
+
+def test_live_disconnect_aborts_and_sigterm_drains(slow_live, clips):
+    data = encode(noise(30, 2), "WAV")  # ~140 tokens: ~4 s at 0.2 s per engine step
+    files = {"file": ("upload", data, "application/octet-stream")}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    # 1. a streamed request whose client goes away after the first delta is aborted in the engine
+    with httpx2.Client(base_url=slow_live.base, timeout=30) as h:
+        with h.stream("POST", "/v1/audio/transcriptions", data={"model": MODEL, "stream": "true"}, files=files,
+                      headers=headers) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if "transcript.text.delta" in line:
+                    break
+    t0 = time.monotonic()
+    while not (metric(slow_live.metrics(), 'glmasr_requests_total{outcome="aborted"}') == 1
+               and metric(slow_live.metrics(), "glmasr_engine_pending_requests") == 0):
+        assert time.monotonic() - t0 < 2.5, slow_live.metrics()  # the request had >= 2.4 s left
+        time.sleep(0.05)
+    # 2. SIGTERM while a stream and a plain request are in flight: both finish, then the process exits 0
+    c = slow_live.client()
+    results = {}
+
+    def stream_one():
+        events = list(c.audio.transcriptions.create(file=data, model=MODEL, stream=True))
+        results["stream"] = events[-1]
+
+    def plain_one():
+        results["plain"] = c.audio.transcriptions.create(file=("x.wav", data), model=MODEL).text
+
+    threads = [threading.Thread(target=stream_one), threading.Thread(target=plain_one)]
+    for t in threads:
+        t.start()
+    t0 = time.monotonic()
+    while metric(slow_live.metrics(), "glmasr_engine_pending_requests") < 2:
+        assert time.monotonic() - t0 < 10
+        time.sleep(0.02)
+    slow_live.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(30)
+    assert slow_live.proc.wait(30) == 0, slow_live.output()
+    assert results["stream"].type == "transcript.text.done"
+    assert results["plain"] == results["stream"].text
+    with pytest.raises(httpx2.TransportError):  # nothing listens any more
+        httpx2.get(f"{slow_live.base}/health", timeout=2)
