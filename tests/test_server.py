@@ -31,6 +31,7 @@ httpx2 = pytest.importorskip("httpx2")
 from starlette.testclient import TestClient  # noqa: E402
 
 import glmasr  # noqa: E402
+from glmasr import writers  # noqa: E402
 from glmasr.options import DecodeOptions  # noqa: E402
 from glmasr.server import ServerConfig, create_app  # noqa: E402
 from glmasr.server.protocol import build_instruction  # noqa: E402
@@ -161,15 +162,19 @@ def test_subtitles_and_verbose_json(client, clips):
     data, ref = clips["d.wav"]
     srt = client.audio.transcriptions.create(file=data, model=MODEL, response_format="srt")
     assert srt == f"1\n00:00:00,000 --> 00:00:30,000\n{ref.text.replace('-->', '->').strip()}\n\n"
+    assert srt == writers.to_srt(ref)
     vtt = client.audio.transcriptions.create(file=data, model=MODEL, response_format="vtt")
     assert vtt == f"WEBVTT\n\n00:00.000 --> 00:30.000\n{ref.text.replace('-->', '->').strip()}\n\n"
+    assert vtt == writers.to_vtt(ref)
     v = client.audio.transcriptions.create(file=data, model=MODEL, response_format="verbose_json",
                                            timestamp_granularities=["segment"], language="en")
     assert v.text == ref.text and v.duration == pytest.approx(30.0) and v.language == "en"
     assert v.usage.seconds == pytest.approx(30.0)
     (seg,) = v.segments
+    (want,) = ref.segments
     assert (seg.id, seg.start, seg.end, seg.text, seg.tokens) == (0, 0.0, 30.0, ref.text, ref.token_ids)
-    assert seg.temperature == 0.0 and seg.seek == 0 and isinstance(seg.compression_ratio, float)
+    assert seg.compression_ratio == pytest.approx(want.compression_ratio)
+    assert seg.temperature == 0.0 and seg.seek == 0 and seg.avg_logprob == 0.0 and seg.no_speech_prob == 0.0
     v = client.audio.transcriptions.create(file=data, model=MODEL, response_format="verbose_json")
     assert v.language == "unknown"
 
@@ -185,7 +190,10 @@ def test_long_audio_has_one_segment_per_prompt_group(client, asr, tmp_path):
     assert v.segments[0].end % 30 == 0
     assert " ".join(s.text for s in v.segments if s.text) == ref.text
     assert [t for s in v.segments for t in s.tokens] == ref.token_ids
+    assert [(s.start, s.end, s.text, s.tokens) for s in v.segments] == \
+        [(pytest.approx(w.start, abs=1e-3), pytest.approx(w.end, abs=1e-3), w.text, w.token_ids) for w in ref.segments]
     srt = client.audio.transcriptions.create(file=path.read_bytes(), model=MODEL, response_format="srt")
+    assert srt == writers.to_srt(ref)
     cues = [c for c in srt.split("\n\n") if c]
     assert len(cues) == sum(1 for s in v.segments if s.text)
     assert cues[-1].split("\n")[1].endswith("--> 00:07:30,000")

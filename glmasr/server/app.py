@@ -29,11 +29,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from .. import writers
 from ..options import DecodeOptions
 from . import protocol
 from .metrics import Metrics, outcome_for
 from .protocol import APIError, bad_request
-from .serving import Admission, ClientGone, TranscriptionService, segments_of
+from .serving import Admission, ClientGone, TranscriptionService
 
 MIB = 1024 * 1024
 FORM_OVERHEAD = MIB  # bytes allowed in the body beyond the file: the other fields and the multipart framing
@@ -328,9 +329,8 @@ def _render(req: protocol.TranscriptionRequest, started, result):
         return JSONResponse(protocol.json_body(result.text, seconds))
     if fmt == "text":
         return PlainTextResponse(result.text)
-    segments = segments_of(started.job, result)
     if fmt == "srt":
-        return PlainTextResponse(protocol.srt_body(segments), media_type="application/x-subrip")
+        return PlainTextResponse(writers.to_srt(result), media_type="application/x-subrip")
     if fmt == "vtt":
-        return PlainTextResponse(protocol.vtt_body(segments), media_type="text/vtt")
-    return JSONResponse(protocol.verbose_body(result.text, seconds, req.language, segments))
+        return PlainTextResponse(writers.to_vtt(result), media_type="text/vtt")
+    return JSONResponse(protocol.verbose_body(result, seconds, req.language))

@@ -24,19 +24,18 @@ Request fields (multipart/form-data, as the ``openai`` client sends them: list f
   prompts of up to 21 windows); ``server_vad`` is a 400 until the VAD segmentation exists.
 - ``include[]`` (logprobs), ``languages[]``, ``known_speaker_*``: not implemented, a 400; any other field: a 400.
 
-Segments: the engine's result has no timestamps yet. What it does have is exact: the audio is cut into 30 s
-windows, packed into prompts ("groups", one group for audio up to ~7 minutes at the default budget), and each
-group's text is decoded from its own prompt. So ``verbose_json`` has one segment per group, spanning exactly the
-audio of that group (start = the group's first window, end = its last sample), with that group's text and tokens;
-SRT/VTT have one cue per non-empty segment. A segment's times are the bounds of the audio it came from, not of the
-speech in it. ``avg_logprob`` and ``no_speech_prob`` are not computed (0.0); ``compression_ratio`` is the text's
-UTF-8 length over its zlib-compressed length (as Whisper computes it); ``temperature`` is 0.0 (greedy).
+Segments: ``verbose_json``'s segments, and the SRT/VTT cues (``glmasr.writers``), are the result's own
+``Transcription.segments``: today one per prompt (window group: consecutive 30 s windows, one group for audio up to
+~7 minutes at the default budget), spanning exactly the audio of that prompt, with that prompt's text and tokens.
+A segment's times are the bounds of the audio it came from, not of the speech in it. Of the fields the OpenAI
+segment type requires, ``avg_logprob`` and ``no_speech_prob`` are not computed (0.0); ``compression_ratio`` is
+the engine's (text bytes over zlib-compressed bytes, as Whisper computes it); ``temperature`` is 0.0 (greedy);
+``seek`` is the start in 10 ms frames.
 """
 
 from __future__ import annotations
 
 import json
-import zlib
 from dataclasses import dataclass, field
 
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
@@ -239,25 +238,6 @@ def parse_form(form, file_data: bytes, filename: str) -> TranscriptionRequest:
 
 
 # ---- responses ----
-@dataclass
-class Segment:
-    id: int
-    start: float
-    end: float
-    text: str
-    tokens: list[int]
-
-    def verbose(self) -> dict:
-        return {"id": self.id, "seek": int(round(self.start * 100)), "start": round(self.start, 3),
-                "end": round(self.end, 3), "text": self.text, "tokens": list(self.tokens), "temperature": 0.0,
-                "avg_logprob": 0.0, "compression_ratio": compression_ratio(self.text), "no_speech_prob": 0.0}
-
-
-def compression_ratio(text: str) -> float:
-    data = text.encode("utf-8")
-    return round(len(data) / len(zlib.compress(data)), 4) if data else 0.0
-
-
 def duration_usage(seconds: float) -> dict:
     return {"type": "duration", "seconds": round(seconds, 3)}
 
@@ -266,35 +246,17 @@ def json_body(text: str, seconds: float) -> dict:
     return {"text": text, "usage": duration_usage(seconds)}
 
 
-def verbose_body(text: str, seconds: float, language: str | None, segments: list[Segment]) -> dict:
-    return {"task": "transcribe", "language": language or "unknown", "duration": round(seconds, 3), "text": text,
-            "segments": [s.verbose() for s in segments], "usage": duration_usage(seconds)}
+def verbose_segment(seg) -> dict:
+    """One ``glmasr.results.Segment`` as the OpenAI client's ``TranscriptionSegment``."""
+    return {"id": seg.id, "seek": int(round(seg.start * 100)), "start": round(seg.start, 3), "end": round(seg.end, 3),
+            "text": seg.text, "tokens": list(seg.token_ids), "temperature": 0.0, "avg_logprob": 0.0,
+            "compression_ratio": float(seg.compression_ratio), "no_speech_prob": 0.0}
 
 
-def _timestamp(seconds: float, decimal: str, always_hours: bool) -> str:
-    ms = max(0, int(round(seconds * 1000)))
-    h, ms = divmod(ms, 3_600_000)
-    m, ms = divmod(ms, 60_000)
-    s, ms = divmod(ms, 1000)
-    head = f"{h:02d}:" if always_hours or h else ""
-    return f"{head}{m:02d}:{s:02d}{decimal}{ms:03d}"
-
-
-def _cue_text(text: str) -> str:
-    return text.replace("-->", "->").strip()
-
-
-def srt_body(segments: list[Segment]) -> str:
-    cues = [s for s in segments if _cue_text(s.text)]
-    return "".join(f"{i}\n{_timestamp(s.start, ',', True)} --> {_timestamp(s.end, ',', True)}\n{_cue_text(s.text)}\n\n"
-                   for i, s in enumerate(cues, 1))
-
-
-def vtt_body(segments: list[Segment]) -> str:
-    cues = [s for s in segments if _cue_text(s.text)]
-    return "WEBVTT\n\n" + "".join(
-        f"{_timestamp(s.start, '.', False)} --> {_timestamp(s.end, '.', False)}\n{_cue_text(s.text)}\n\n"
-        for s in cues)
+def verbose_body(result, seconds: float, language: str | None) -> dict:
+    return {"task": "transcribe", "language": language or "unknown", "duration": round(seconds, 3),
+            "text": result.text, "segments": [verbose_segment(s) for s in result.segments],
+            "usage": duration_usage(seconds)}
 
 
 def sse(payload) -> bytes:

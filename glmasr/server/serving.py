@@ -23,7 +23,7 @@ from ..engine.loop import EngineClosed, EngineError
 from ..options import DecodeOptions
 from . import protocol
 from .metrics import Metrics
-from .protocol import APIError, Segment, TranscriptionRequest, bad_request
+from .protocol import APIError, TranscriptionRequest, bad_request
 
 DECODE_BLOCK_S = 10  # seconds of audio decoded per read while the duration limit is checked
 
@@ -153,8 +153,13 @@ class TranscriptionService:
             raise bad_request(str(e), "prompt") from None
         first: list = []
         stream = job.stream
-        # called on the engine thread as each output arrives (and once now, usually with nothing queued yet)
-        stream.set_listener(lambda: first or not stream._items or first.append(time.perf_counter()))
+        calls = [0]
+
+        def on_output():  # on the engine thread as each output arrives, and once at once from set_listener
+            calls[0] += 1
+            if not first and (calls[0] > 1 or getattr(stream, "_items", None)):
+                first.append(time.perf_counter())
+        stream.set_listener(on_output)
         return Started(job, audio, t0, first)
 
     async def start(self, req: TranscriptionRequest, t0: float) -> Started:
@@ -232,20 +237,3 @@ class ClientGone(Exception):
 
 def prompt_tokens(job) -> int:
     return sum(len(p.prompt_ids) for p in job.assembler.plans)
-
-
-def segments_of(job, result) -> list[Segment]:
-    """One segment per prompt group of the request: exact audio bounds, that group's own decoded text and tokens
-    (see ``protocol``'s docstring). Falls back to one segment over the whole audio."""
-    assembler = job.assembler
-    groups = getattr(assembler, "groups", None)
-    plans = getattr(assembler, "plans", None)
-    if not groups or not plans or len(groups) != len(plans):
-        return [Segment(0, 0.0, result.duration_s, result.text, list(result.token_ids))]
-    segments, start = [], 0.0
-    for i, (g, p) in enumerate(zip(groups, plans)):
-        end = min(start + p.seconds, result.duration_s)
-        ids = list(g.detok.ids)
-        segments.append(Segment(i, start, end, assembler.prompts.decode(ids).strip(), ids))
-        start = end
-    return segments
