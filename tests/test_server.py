@@ -371,6 +371,32 @@ def test_concurrent_clients_in_process(client, clips):
     assert texts == [clips[n][1].text for n in names]
 
 
+def test_engine_fault_is_a_500_and_a_stream_error_event(client, clips, asr):
+    """A fault inside an engine step fails the requests in flight (500 in the envelope; a stream ends with an
+    error event, on which the client raises); the next request is served normally."""
+    engine = asr.engine
+    original = engine.step
+
+    def faulty():
+        engine.step = original  # one fault only
+        raise RuntimeError("injected device fault")
+
+    data, ref = clips["a.wav"]
+    for stream in (False, True):
+        engine.step = faulty
+        try:
+            with pytest.raises(openai.APIError, match="injected device fault") as e:
+                r = client.audio.transcriptions.create(file=data, model=MODEL, stream=stream)
+                if stream:
+                    list(r)
+            if not stream:
+                assert isinstance(e.value, openai.InternalServerError) and e.value.code == "engine_error"
+        finally:
+            if "step" in vars(engine):
+                del engine.step
+        assert client.audio.transcriptions.create(file=data, model=MODEL).text == ref.text
+
+
 def encode_to_array(data: bytes) -> np.ndarray:
     samples, _ = sf.read(io.BytesIO(data), dtype="float32")
     return samples

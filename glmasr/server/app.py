@@ -267,7 +267,8 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
                 started.job.abort()
                 ticket.release()
                 metrics.requests.labels(status["outcome"]).inc()
-                metrics.latency.labels("true").observe(time.perf_counter() - t0)
+                if status["outcome"] == "ok":
+                    metrics.latency.labels("true").observe(time.perf_counter() - t0)
 
             return _EventStream(body(), on_close, media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
