@@ -612,6 +612,17 @@ def test_live_server_concurrent_async_clients(live, clips):
     assert metric(m, "glmasr_engine_pending_requests") == 0 and metric(m, "glmasr_queue_depth") == 0
 
 
+def test_load_generator_against_the_live_server(live, tiny_shipped):
+    from glmasr.server import loadgen
+
+    clips = loadgen.make_clips(4, seed=1, max_s=6)
+    rows = [asyncio.run(loadgen.run_load(f"{live.base}/v1", KEY, MODEL, c, 1.0, clips, grace=30)) for c in (1, 3)]
+    for r in rows:
+        assert r["failed"] == 0 and r["lost"] == 0 and r["ok"] >= 1, r
+        assert r["latency_p50_ms"] >= r["ttft_p50_ms"] > 0 and r["audio_s_per_s"] > 0
+    assert "| 3 |" in loadgen.table(rows)
+
+
 def test_live_disconnect_aborts_and_sigterm_drains(slow_live, clips):
     data = encode(noise(30, 2), "WAV")  # ~140 tokens: ~4 s at 0.2 s per engine step
     files = {"file": ("upload", data, "application/octet-stream")}
