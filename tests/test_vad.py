@@ -182,6 +182,23 @@ def test_probabilities_match_onnx_on_speech(onnx_session, short_recording):
     assert ref.max() > 0.9 and ref.min() < 0.1  # the recording does have speech and silence
 
 
+def test_matmul_front_end_matches_onnx(onnx_session):
+    """The front end as matmuls (what CUDA runs, to stay fp32 where cuDNN would use TF32), here on the CPU."""
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((64, vad.CONTEXT + vad.WINDOW)) * 0.2).astype(np.float32)
+    state = (rng.standard_normal((2, 64, 128)) * 0.5).astype(np.float32)
+    ref, ref_state = onnx_session.run(None, {"input": x, "state": state, "sr": np.array(SR, dtype=np.int64)})
+    model = vad.load_vad("cpu")
+    with torch.inference_mode():
+        feats = model.encode(torch.from_numpy(x), as_matmul=True)
+        assert torch.allclose(feats, model.encode(torch.from_numpy(x), as_matmul=False), atol=1e-4, rtol=1e-5)
+        st = torch.from_numpy(state)
+        h, c = model.cell(model.input_gates(feats), st[0], st[1])
+        p = model.decode(h)
+    assert np.abs(p.numpy() - ref[:, 0]).max() <= PROB_ATOL
+    assert np.abs(torch.stack([h, c]).numpy() - ref_state).max() <= 1e-4
+
+
 def test_safetensors_weights_are_not_the_onnx_ones():
     """The wheel's safetensors file has our names and shapes but older values; the default source is the
     TorchScript model, whose tensors are the ONNX model's (the tests above)."""
