@@ -20,8 +20,13 @@ Request fields (multipart/form-data, as the ``openai`` client sends them: list f
 - ``timestamp_granularities[]``: ``segment`` (needs ``verbose_json``); ``word`` is a 400 until word times exist.
 - ``stream``: "true" sends server-sent events (``transcript.text.delta`` ..., ``transcript.text.done``,
   ``[DONE]``); with ``response_format`` json or text only.
-- ``chunking_strategy``: ``auto`` = the engine's own segmentation (non-overlapping 30 s windows, packed into
-  prompts of up to 21 windows); ``server_vad`` is a 400 until the VAD segmentation exists.
+- ``chunking_strategy``: left out = the reference segmentation (non-overlapping 30 s windows packed into prompts of
+  up to 21 windows: token-exact with transformers). ``auto`` or ``{"type": "server_vad", ...}`` = voice activity
+  detection (``glmasr.vad``, Silero VAD, run on the CPU in the request's worker thread): speech regions merged
+  into pieces of at most 30 s, one prompt and one segment (with its true times) each; a recording with no speech
+  gives an empty text. ``server_vad``'s ``threshold`` (0-1, default 0.5), ``silence_duration_ms`` (the silence that
+  ends a region, default 500) and ``prefix_padding_ms`` (padding around each region, default 200) are passed on;
+  ``auto`` uses the defaults. Needs the ``vad`` extra (else a 400 saying so).
 - ``include[]`` (logprobs), ``languages[]``, ``known_speaker_*``: not implemented, a 400; any other field: a 400.
 
 Segments: ``verbose_json``'s segments, and the SRT/VTT cues (``glmasr.writers``), are the result's own
@@ -102,6 +107,7 @@ class TranscriptionRequest:
     response_format: str = "json"
     stream: bool = False
     granularities: list[str] = field(default_factory=list)
+    vad: dict | None = None  # chunking by VAD: keyword arguments of glmasr.vad.speech_regions; None = 30 s windows
 
     @property
     def instruction(self) -> str | None:
@@ -215,26 +221,59 @@ def parse_form(form, file_data: bytes, filename: str) -> TranscriptionRequest:
     if stream and response_format not in ("json", "text"):
         raise bad_request(f"stream=true sends transcript.text events; response_format={response_format} cannot be "
                           "streamed (use json or text, or stream=false)", "stream", "unsupported_value")
-    chunking = _text_field(form, "chunking_strategy")
-    chunking_type = _text_field(form, "chunking_strategy[type]")
-    if chunking is not None:
-        try:
-            decoded = json.loads(chunking)
-        except ValueError:
-            decoded = chunking
-        if isinstance(decoded, dict):
-            chunking_type = decoded.get("type")
-        elif decoded != "auto":
-            raise bad_request(f"chunking_strategy must be 'auto' or an object with type 'server_vad', got "
-                              f"{chunking!r}", "chunking_strategy")
-    if chunking_type is not None:
-        if chunking_type == "server_vad":
-            raise bad_request("chunking_strategy server_vad is not implemented yet; use 'auto' (30 s windows)",
-                              "chunking_strategy", "unsupported_value")
-        raise bad_request(f"chunking_strategy type must be 'server_vad', got {chunking_type!r}", "chunking_strategy")
+    vad = _chunking(form)
     return TranscriptionRequest(data=file_data, filename=filename, model=model.strip(), prompt=prompt,
                                 keywords=keywords, language=language, response_format=response_format,
-                                stream=stream, granularities=granularities)
+                                stream=stream, granularities=granularities, vad=vad)
+
+
+_VAD_PARAMS = {"threshold": ("threshold", 0.0, 1.0), "silence_duration_ms": ("min_silence_ms", 1.0, 60000.0),
+               "prefix_padding_ms": ("speech_pad_ms", 0.0, 10000.0)}
+
+
+def _chunking(form) -> dict | None:
+    """``chunking_strategy`` (a string "auto", a JSON object, or the client's ``chunking_strategy[key]`` fields)
+    -> keyword arguments for ``glmasr.vad.speech_regions``, or None (30 s windows)."""
+    raw = _text_field(form, "chunking_strategy")
+    fields = {k[len("chunking_strategy["):-1]: _text_field(form, k) for k in form.keys()
+              if k.startswith("chunking_strategy[") and k.endswith("]")}
+    if raw is not None:
+        if fields:
+            raise bad_request("send chunking_strategy either as one field or as chunking_strategy[...] fields",
+                              "chunking_strategy")
+        try:
+            decoded = json.loads(raw)
+        except ValueError:
+            decoded = raw
+        if decoded == "auto":
+            return {}
+        if not isinstance(decoded, dict):
+            raise bad_request(f"chunking_strategy must be 'auto' or an object with type 'server_vad', got {raw!r}",
+                              "chunking_strategy")
+        fields = decoded
+    elif not fields:
+        return None
+    if fields.get("type") != "server_vad":
+        raise bad_request(f"chunking_strategy type must be 'server_vad', got {fields.get('type')!r}",
+                          "chunking_strategy")
+    out = {}
+    for key, value in fields.items():
+        if key == "type":
+            continue
+        if key not in _VAD_PARAMS:
+            raise bad_request(f"unknown chunking_strategy parameter {key!r}; known: type, "
+                              f"{', '.join(_VAD_PARAMS)}", "chunking_strategy", "unknown_parameter")
+        name, lo, hi = _VAD_PARAMS[key]
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise bad_request(f"chunking_strategy {key} must be a number, got {value!r}", "chunking_strategy",
+                              "invalid_type") from None
+        if not lo <= number <= hi:
+            raise bad_request(f"chunking_strategy {key} must be in [{lo:g}, {hi:g}], got {value!r}",
+                              "chunking_strategy")
+        out[name] = number
+    return out
 
 
 # ---- responses ----

@@ -86,6 +86,21 @@ def _too_long(name: str, seconds: float | None, limit: float) -> APIError:
                          f"(--max-audio-s)", param="file", code="audio_too_long")
 
 
+def vad_pieces(audio: Audio, params: dict) -> list[tuple[float, float]]:
+    """Speech regions (Silero VAD on the CPU, so the GPU stays the engine's) merged into <= 30 s pieces."""
+    try:
+        from ..vad import VadUnavailableError, merge_regions, speech_regions
+    except ImportError as e:
+        raise bad_request(f"chunking_strategy needs glmasr.vad, which this install lacks ({e})", "chunking_strategy",
+                          "unsupported_value") from None
+    try:
+        regions = speech_regions(audio.samples, device="cpu", **params)
+    except VadUnavailableError as e:
+        raise bad_request(f"chunking_strategy needs the vad extra (pip install 'glmasr[vad]'): {e}",
+                          "chunking_strategy", "unsupported_value") from None
+    return merge_regions(regions)
+
+
 class Admission:
     """At most ``limit`` requests inside the server at once; one more is refused (429), never queued unbounded."""
 
@@ -142,9 +157,10 @@ class TranscriptionService:
         t_audio = time.perf_counter()
         audio = decode_upload(req.data, req.filename, self.max_audio_s)
         audio_ms = 1e3 * (time.perf_counter() - t_audio)
+        pieces = None if req.vad is None else vad_pieces(audio, req.vad)
         try:
             decode = DecodeOptions(prompt=req.instruction)
-            job = self.asr.submit_loaded(audio, decode, 0, t0, audio_ms)
+            job = self.asr.submit_loaded(audio, decode, 0, t0, audio_ms, pieces=pieces)
         except EngineClosed:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down") from None
         except AudioError as e:  # too short for one audio token
