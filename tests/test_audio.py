@@ -1,5 +1,7 @@
 """Audio input: formats, rates, channels, PCM types, and clear errors for bad input."""
 
+import sys
+
 import numpy as np
 import pytest
 import soundfile as sf
@@ -211,3 +213,376 @@ def test_transcribe_accepts_a_bf16_tensor(tiny_asr):
     a = glmasr.transcribe(x, model=tiny_asr, sampling_rate=16000, max_new_tokens=3)
     b = glmasr.transcribe(x.float(), model=tiny_asr, sampling_rate=16000, max_new_tokens=3)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 3
+
+
+# ------------------------------------------------------------------------------------ truncated files
+
+import struct  # noqa: E402
+import warnings  # noqa: E402
+
+from glmasr import audio as audio_mod  # noqa: E402
+from glmasr.audio import Audio, AudioWarning, read_file, resample  # noqa: E402
+
+
+def _cut(src, dst, fraction=None, nbytes=None):
+    data = src.read_bytes()
+    dst.write_bytes(data[:nbytes if nbytes is not None else int(len(data) * fraction)])
+    return dst
+
+
+def _load_warned(path, **kw):
+    """load_audio with every warning recorded: (Audio, [AudioWarning messages])."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = load_audio(path, **kw)
+    return a, [str(w.message) for w in caught if issubclass(w.category, AudioWarning)]
+
+
+def test_audio_keeps_its_two_field_construction():
+    a = Audio(np.zeros(1600, np.float32), "x")
+    assert a.truncated is False and a.expected_duration_s is None and a.missing_s == 0.0 and a.duration_s == 0.1
+
+
+@pytest.mark.parametrize("subtype, bytes_per_frame", [("PCM_16", 2), ("PCM_24", 3), ("FLOAT", 4)])
+@pytest.mark.parametrize("fraction", [0.9, 0.5, 0.153, 0.02])
+def test_truncated_wav_warns_and_says_so(tmp_path, subtype, bytes_per_frame, fraction):
+    """The issue's case: a WAV cut short (its data chunk runs past the end of the file) used to decode to what was
+    there with no word. Now: the samples that are there, one AudioWarning naming the file and what is missing."""
+    x = noise(5.94, 21, scale=0.2)
+    full = tmp_path / "full.wav"
+    sf.write(full, x, 16000, subtype=subtype)
+    cut = _cut(full, tmp_path / "cut.wav", fraction)
+    a, msgs = _load_warned(cut)
+    header = full.read_bytes().index(b"data") + 8  # 44 bytes for PCM; float WAVs have a fact chunk too
+    present = (cut.stat().st_size - header) // bytes_per_frame
+    assert a.samples.shape == (present,)
+    np.testing.assert_allclose(a.samples, x[:present], atol=4e-5)
+    assert a.truncated and a.expected_duration_s == pytest.approx(5.94)
+    assert a.missing_s == pytest.approx(5.94 - present / 16000, abs=1e-6)
+    assert len(msgs) == 1, msgs
+    assert str(cut) in msgs[0] and "header declares 5.94 s" in msgs[0]
+    assert f"{present / 16000:.2f} s could be decoded ({5.94 - present / 16000:.2f} s missing)" in msgs[0]
+
+
+def test_truncated_wav_mid_sample_and_in_the_header(tmp_path):
+    full = tmp_path / "full.wav"
+    sf.write(full, noise(2.0, 22), 16000, subtype="PCM_16")
+    a, msgs = _load_warned(_cut(full, tmp_path / "odd.wav", nbytes=44 + 2 * 1000 + 1))  # half a sample at the end
+    assert a.samples.shape == (1000,) and a.truncated and len(msgs) == 1
+    with pytest.raises(AudioError, match=r"nothing could be decoded.*header declares 2.00 s"):
+        load_audio(_cut(full, tmp_path / "nodata.wav", nbytes=44))  # the header and no samples
+    with pytest.raises(AudioError, match="cannot decode.*hdr.wav"):
+        load_audio(_cut(full, tmp_path / "hdr.wav", nbytes=30))  # cut inside the fmt chunk
+
+
+def test_wav_with_a_streaming_placeholder_size_is_not_truncated(tmp_path):
+    """Writers to a pipe cannot go back to fill in the sizes and leave 0xFFFFFFFF: no length is declared."""
+    path = tmp_path / "stream.wav"
+    x = noise(1.0, 23)
+    sf.write(path, x, 16000, subtype="PCM_16")
+    data = bytearray(path.read_bytes())
+    assert data[36:40] == b"data"
+    data[4:8] = struct.pack("<I", 0xFFFFFFFF)
+    data[40:44] = struct.pack("<I", 0xFFFFFFFF)
+    path.write_bytes(bytes(data))
+    a, msgs = _load_warned(path)
+    assert not msgs and not a.truncated and a.expected_duration_s is None
+    np.testing.assert_allclose(a.samples, x, atol=4e-5)
+
+
+@pytest.mark.parametrize("subtype", ["PCM_16", "PCM_24"])
+@pytest.mark.parametrize("fraction", [0.9, 0.5, 0.2])
+def test_truncated_flac_keeps_what_decodes(tmp_path, subtype, fraction):
+    """A cut FLAC fails part-way in libsndfile; what precedes the damage is kept (to within a FLAC frame, 4096
+    samples), the STREAMINFO count says how much is missing."""
+    x = noise(5.94, 24, scale=0.2)
+    full = tmp_path / "full.flac"
+    sf.write(full, x, 16000, subtype=subtype)
+    cut = _cut(full, tmp_path / "cut.flac", fraction)
+    a, msgs = _load_warned(cut)
+    n = a.samples.shape[0]
+    assert 0 < n < x.shape[0] and a.truncated and a.expected_duration_s == pytest.approx(5.94)
+    assert n >= 0.8 * fraction * x.shape[0] - 4096  # nearly all of what the bytes hold (compression is even here)
+    np.testing.assert_allclose(a.samples, x[:n], atol=4e-5)
+    assert len(msgs) == 1 and str(cut) in msgs[0] and "header declares 5.94 s" in msgs[0], msgs
+    assert f"({5.94 - n / 16000:.2f} s missing)" in msgs[0]
+
+
+def test_flac_cut_before_its_first_frame(tmp_path):
+    full = tmp_path / "full.flac"
+    sf.write(full, noise(5.94, 25), 16000)
+    with pytest.raises(AudioError, match=r"^.*early\.flac: audio is empty: nothing could be decoded.*5\.94 s"):
+        load_audio(_cut(full, tmp_path / "early.flac", 0.02))
+
+
+def test_truncated_mp3_with_a_xing_header(tmp_path):
+    full = tmp_path / "full.mp3"
+    sf.write(full, tone(5.94, 44100), 44100, format="MP3", subtype="MPEG_LAYER_III")
+    a, msgs = _load_warned(_cut(full, tmp_path / "cut.mp3", 0.5))
+    assert a.truncated and a.expected_duration_s == pytest.approx(5.94) and 2.5 < a.duration_s < 3.2
+    assert len(msgs) == 1 and "cut.mp3" in msgs[0] and "s missing" in msgs[0]
+
+
+@pytest.mark.parametrize("fmt, subtype, ext", [("WAV", "PCM_16", "wav"), ("WAV", "FLOAT", "wav"),
+                                               ("FLAC", "PCM_24", "flac"), ("MP3", "MPEG_LAYER_III", "mp3"),
+                                               ("OGG", "VORBIS", "ogg"), ("OGG", "OPUS", "opus")])
+def test_complete_files_do_not_warn(tmp_path, fmt, subtype, ext):
+    rate = 48000 if subtype == "OPUS" else 16000
+    path = tmp_path / f"a.{ext}"
+    sf.write(path, tone(2.5, rate), rate, format=fmt, subtype=subtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AudioWarning)
+        a = load_audio(path)
+    assert not a.truncated and a.expected_duration_s == pytest.approx(2.5)
+
+
+def test_read_file_warns_too(tmp_path):
+    full = tmp_path / "full.wav"
+    sf.write(full, noise(2.0, 26), 16000)
+    with pytest.warns(AudioWarning, match=r"cut\.wav: truncated audio file: its header declares 2\.00 s"):
+        data, rate = read_file(_cut(full, tmp_path / "cut.wav", 0.5))
+    assert rate == 16000 and data.ndim == 1 and 15000 < data.shape[0] < 17000
+
+
+def test_source_label_leads_the_warning(tmp_path):
+    full = tmp_path / "full.wav"
+    sf.write(full, noise(2.0, 27), 16000)
+    _, msgs = _load_warned(_cut(full, tmp_path / "cut.wav", 0.5), source="clip 4")
+    assert len(msgs) == 1 and msgs[0].startswith(f"clip 4 ({tmp_path / 'cut.wav'}): truncated audio file")
+
+
+# ------------------------------------------------------------------- containers through PyAV (FFmpeg)
+
+
+def _encode(path, fmt, codec, rate, seconds, freq=440.0, channels=1, options=None):
+    """Encode a sine with PyAV itself: AAC in mp4/m4a/adts, Opus in webm. Returns the mono source signal."""
+    av = pytest.importorskip("av")
+    x = tone(seconds, rate, freq)
+    with av.open(str(path), "w", format=fmt, options=options or {}) as c:
+        s = c.add_stream(codec, rate=rate, layout="mono" if channels == 1 else "stereo")
+        if codec == "libopus":
+            s.codec_context.format = "flt"
+        sample_fmt = s.codec_context.format.name
+        step, pts = s.codec_context.frame_size or 1024, 0
+        for i in range(0, x.shape[0], step):
+            block = x[i:i + step]
+            planar = sample_fmt.endswith("p")
+            arr = np.tile(block, (channels, 1)) if planar else np.repeat(block, channels)[None]
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(arr), format=sample_fmt, layout=s.layout.name)
+            frame.sample_rate, frame.pts = rate, pts
+            pts += block.shape[0]
+            for packet in s.encode(frame):
+                c.mux(packet)
+        for packet in s.encode(None):
+            c.mux(packet)
+    return x
+
+
+CONTAINERS = [  # name, muxer, codec, rate, channels, muxer options, codec frame (samples), frames of slack
+    ("a.mp4", "mp4", "aac", 44100, 2, None, 1024, 1),
+    ("a.m4a", "ipod", "aac", 48000, 1, None, 1024, 1),
+    ("fast.m4a", "ipod", "aac", 16000, 1, {"movflags": "faststart"}, 1024, 1),
+    # ADTS has no place for the encoder delay: FFmpeg's 1024 priming samples stay in, plus the last frame's padding
+    ("a.aac", "adts", "aac", 44100, 1, None, 1024, 2),
+    ("a.webm", "webm", "libopus", 48000, 2, None, 960, 1),
+]
+
+
+@pytest.mark.parametrize("name, fmt, codec, rate, channels, options, frame, slack", CONTAINERS,
+                         ids=[c[0] for c in CONTAINERS])
+def test_containers_decode_through_pyav(tmp_path, name, fmt, codec, rate, channels, options, frame, slack):
+    path = tmp_path / name
+    _encode(path, fmt, codec, rate, 3.0, freq=440.0, channels=channels, options=options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AudioWarning)
+        a = load_audio(path)
+    assert a.samples.dtype == np.float32 and a.samples.ndim == 1 and not a.truncated
+    # duration within one codec frame (two for ADTS, which keeps the encoder's priming samples)
+    assert abs(a.duration_s - 3.0) <= slack * frame / rate, a.duration_s
+    # the sine's frequency survives: spectral peak away from the edges, to within one FFT bin (~0.4 Hz)
+    y = a.samples[4000:44000]
+    spectrum = np.abs(np.fft.rfft(y * np.hanning(y.shape[0])))
+    assert abs(np.argmax(spectrum) * 16000 / y.shape[0] - 440.0) <= 0.5
+    # and the waveform, at most a codec frame (or two) from where it was put
+    ref = tone(3.0, 16000)
+    lags = range(0, int(slack * frame * 16000 / rate) + 8)
+    corr = [np.corrcoef(a.samples[d:d + 40000], ref[:40000])[0, 1] for d in lags]
+    assert max(corr) > 0.99, max(corr)
+    if fmt != "adts":
+        assert a.expected_duration_s == pytest.approx(3.0, abs=frame / rate)
+
+
+def test_container_sniffed_by_magic_not_name(tmp_path):
+    path = tmp_path / "upload.bin"  # an m4a without its extension
+    _encode(path, "ipod", "aac", 16000, 1.5)
+    assert abs(load_audio(path).duration_s - 1.5) <= 1024 / 16000
+    wav = tmp_path / "really_a_wav.m4a"  # and a WAV behind an m4a name is soundfile's
+    x = noise(1.0, 28)
+    sf.write(wav, x, 16000, subtype="FLOAT", format="WAV")
+    np.testing.assert_array_equal(load_audio(wav).samples, x)
+
+
+def test_corrupt_and_empty_containers(tmp_path):
+    pytest.importorskip("av")
+    rng = np.random.default_rng(0)
+    (tmp_path / "empty.mp4").write_bytes(b"")
+    with pytest.raises(AudioError, match=r"cannot decode audio file .*empty\.mp4: the file is empty \(0 bytes\)"):
+        load_audio(tmp_path / "empty.mp4")
+    (tmp_path / "noise.m4a").write_bytes(rng.bytes(4000))
+    with pytest.raises(AudioError, match=r"cannot decode audio file .*noise\.m4a"):
+        load_audio(tmp_path / "noise.m4a")
+    (tmp_path / "bad.webm").write_bytes(b"\x1a\x45\xdf\xa3" + rng.bytes(500))
+    with pytest.raises(AudioError, match=r"cannot decode audio file .*bad\.webm"):
+        load_audio(tmp_path / "bad.webm")
+    (tmp_path / "bad.mp4").write_bytes(b"\x00\x00\x00\x18ftypisom" + rng.bytes(500))
+    with pytest.raises(AudioError, match=r"cannot decode audio file .*bad\.mp4"):
+        load_audio(tmp_path / "bad.mp4")
+    full = tmp_path / "full.mp4"  # moov at the end (the default): a cut file has no index left
+    _encode(full, "mp4", "aac", 44100, 3.0)
+    with pytest.raises(AudioError, match=r"cannot decode audio file .*cut\.mp4: .*loses its index"):
+        load_audio(_cut(full, tmp_path / "cut.mp4", 0.6))
+
+
+@pytest.mark.parametrize("name, fmt, codec, rate, options", [
+    ("fast.m4a", "ipod", "aac", 16000, {"movflags": "faststart"}),
+    ("a.webm", "webm", "libopus", 48000, None),
+])
+def test_truncated_containers_warn(tmp_path, name, fmt, codec, rate, options):
+    """With the index (or the duration) in front, a cut container decodes to what is there and says so."""
+    full = tmp_path / name
+    _encode(full, fmt, codec, rate, 3.0, options=options)
+    cut = _cut(full, tmp_path / f"cut_{name}", 0.5)
+    a, msgs = _load_warned(cut)
+    assert a.truncated and 0.8 < a.duration_s < 2.2 and a.expected_duration_s == pytest.approx(3.0, abs=0.02)
+    assert len(msgs) == 1 and str(cut) in msgs[0] and "s missing" in msgs[0], msgs
+
+
+def test_truncated_adts_says_decoding_stopped(tmp_path):
+    full = tmp_path / "a.aac"
+    _encode(full, "adts", "aac", 44100, 3.0)
+    a, msgs = _load_warned(_cut(full, tmp_path / "cut.aac", 0.5))
+    assert a.truncated and a.expected_duration_s is None and 1.0 < a.duration_s < 2.0
+    assert len(msgs) == 1 and "cut.aac: audio file is damaged or truncated: decoding stopped after" in msgs[0]
+
+
+def test_containers_without_pyav_name_the_extra(tmp_path, monkeypatch):
+    path = tmp_path / "a.m4a"
+    _encode(path, "ipod", "aac", 16000, 1.0)
+    monkeypatch.setitem(sys.modules, "av", None)  # import av now raises ImportError
+    with pytest.raises(AudioError, match=r"a\.m4a: M4A files are decoded with PyAV.*pip install 'glmasr\[containers\]'"):
+        load_audio(path)
+    with pytest.raises(AudioError, match="cannot decode.*broken.wav"):  # soundfile's failures stay soundfile's
+        (tmp_path / "broken.wav").write_bytes(b"RIFF\x00\x00\x00\x00WAVEgarbage" + bytes(100))
+        load_audio(tmp_path / "broken.wav")
+
+
+# ----------------------------------------------------------------- long files: block reads on threads
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """The threaded paths on short test files: 'long' from 1 s, reads of 4096 frames, 3 threads."""
+    monkeypatch.setattr(audio_mod, "PARALLEL_MIN_S", 1.0)
+    monkeypatch.setattr(audio_mod, "READ_BLOCK_FRAMES", 4096)
+    monkeypatch.setattr(audio_mod, "AUDIO_THREADS", 3)
+    calls = []
+    original = audio_mod._sf_parallel
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(audio_mod, "_sf_parallel", spy)
+    return calls
+
+
+def _old_load(path):
+    """What load_audio did before block reads: one sf.read, one float64 channel mean, one soxr call."""
+    import soxr
+
+    data, rate = sf.read(str(path), dtype="float32")
+    if data.ndim == 2:
+        data = data.mean(axis=1, dtype=np.float64).astype(np.float32)
+    return data if rate == 16000 else soxr.resample(data, rate, 16000, quality="HQ").astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt, subtype, ext, rate, channels", [
+    ("WAV", "PCM_16", "wav", 44100, 2), ("WAV", "FLOAT", "wav", 16000, 1), ("FLAC", "PCM_24", "flac", 48000, 3),
+    ("MP3", "MPEG_LAYER_III", "mp3", 44100, 2),
+])
+def test_threaded_decode_is_bit_equal(tmp_path, small_blocks, monkeypatch, fmt, subtype, ext, rate, channels):
+    """Blocks decoded on threads (own handle each, sample-exact seeks) and mixed block by block give exactly the
+    samples of one sequential read, and exactly what the one-piece code gave."""
+    x = np.stack([noise(12.0, 30 + c, rate=rate, scale=0.2) for c in range(channels)], axis=1)
+    path = tmp_path / f"long.{ext}"
+    sf.write(path, x if channels > 1 else x[:, 0], rate, format=fmt, subtype=subtype)
+    threaded = load_audio(path)
+    assert small_blocks == [True]  # the threaded read ran and was used
+    monkeypatch.setattr(audio_mod, "AUDIO_THREADS", 1)
+    sequential = load_audio(path)
+    assert small_blocks == [True]
+    np.testing.assert_array_equal(threaded.samples, sequential.samples)
+    np.testing.assert_array_equal(sequential.samples, _old_load(path))
+    assert not threaded.truncated
+
+
+def test_threaded_decode_of_a_truncated_file_falls_back(tmp_path, small_blocks, monkeypatch):
+    """A block that comes back short (the file ends before its header says) sends the decode down the
+    sequential path, which finds the damage and warns once."""
+    full = tmp_path / "full.flac"
+    sf.write(full, noise(8.0, 40), 16000)
+    cut = _cut(full, tmp_path / "cut.flac", 0.6)
+    a, msgs = _load_warned(cut)
+    assert small_blocks == [False] and a.truncated and len(msgs) == 1
+    monkeypatch.setattr(audio_mod, "AUDIO_THREADS", 1)
+    b, _ = _load_warned(cut)
+    np.testing.assert_array_equal(a.samples, b.samples)
+
+
+@pytest.mark.parametrize("rate, seconds", [(44100, 20.0), (8000, 13.3), (22050, 17.77), (48000, 9.0), (44056, 11.0)])
+def test_threaded_resample_within_float32_rounding(monkeypatch, rate, seconds):
+    """Opt-in block resampling (``resample(..., threads=N)``): same length as one soxr call and within 1e-6
+    absolute of it (measured ~1e-7: float32 rounding inside soxr), on noise plus a tone, block edges included."""
+    monkeypatch.setattr(audio_mod, "PARALLEL_MIN_S", 1.0)
+    n = int(seconds * rate) + 7  # not a whole number of the rates' common period
+    x = noise(n / rate, 41, rate=rate, scale=0.2)[:n] + tone(n / rate + 1, rate, 997.0)[:n]
+    one = resample(x, rate)
+    calls = []
+    import soxr
+
+    original = soxr.resample
+    monkeypatch.setattr(soxr, "resample", lambda *a, **k: calls.append(1) or original(*a, **k))
+    blocks = resample(x, rate, threads=3)
+    assert len(calls) > 3  # it did run in blocks
+    assert blocks.shape == one.shape and blocks.dtype == np.float32
+    err = float(np.abs(blocks - one).max())
+    print(f"\nthreaded resample {rate} Hz -> 16 kHz, {len(calls)} blocks: max |blocks - one-shot| = {err:.2e}")
+    assert err < 1e-6
+    assert resample(x, rate, threads=1) is not None and np.array_equal(resample(x, rate, threads=1), one)
+
+
+@pytest.mark.parametrize("channels", [2, 3, 5, 7, 8, 12])
+def test_channel_mix_is_numpys_float64_mean_bit_for_bit(monkeypatch, channels):
+    """The block-wise mono mix (channel after channel into one float64 accumulator below 8 channels) gives the
+    bits of ``mean(axis, dtype=float64)``, for arrays in both orientations and across block edges, on values
+    spanning many magnitudes."""
+    monkeypatch.setattr(audio_mod, "READ_BLOCK_FRAMES", 1000)
+    rng = np.random.default_rng(channels)
+    x = (rng.standard_normal((5001, channels)) * np.logspace(-7, 0, channels)).astype(np.float32)
+    x[::5, 0] *= np.float32(1e-30)
+    expected = x.mean(axis=1, dtype=np.float64).astype(np.float32)
+    np.testing.assert_array_equal(load_audio(x, 16000).samples, expected)
+    np.testing.assert_array_equal(load_audio(np.ascontiguousarray(x.T), 16000).samples, expected)
+
+
+@pytest.mark.parametrize("subtype", ["IMA_ADPCM", "MS_ADPCM", "ULAW"])
+def test_truncated_wav_with_other_codecs(tmp_path, subtype):
+    """Compressed WAV codecs: the length comes from the fact chunk (or, without one, the data chunk still runs past
+    the end of the file)."""
+    full = tmp_path / "full.wav"
+    sf.write(full, noise(4.0, 29), 16000, subtype=subtype)
+    assert load_audio(full).truncated is False
+    a, msgs = _load_warned(_cut(full, tmp_path / "cut.wav", 0.5))
+    assert a.truncated and len(msgs) == 1 and "cut.wav" in msgs[0], msgs
+    assert 1.5 < a.duration_s < 2.2
