@@ -147,6 +147,13 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
 
             noise = (np.random.default_rng(0).standard_normal(16000) * 0.1).astype(np.float32)
             asr.submit(noise, DecodeOptions(max_new_tokens=8), sampling_rate=16000).result()
+        if config.warmup != "none":
+            try:  # the VAD of chunking_strategy (CPU), if this install has it: loaded now, not by a first request
+                from ..vad import load_vad
+
+                load_vad("cpu")
+            except ImportError:
+                pass
         state.warmup_ms["server_warmup_ms"] = 1e3 * (time.perf_counter() - t)
 
     @asynccontextmanager
