@@ -3,11 +3,11 @@
     python scripts/bench/audio_decode.py [FILE] [--minutes 60] [--repeat 3]
 
 Without FILE it makes (once, cached in /tmp) a 44.1 kHz stereo mp3 of --minutes of synthetic audio with
-soundfile (libsndfile's LAME). "sequential" is ``AUDIO_THREADS = 1`` (one read, one soxr call: the path short
-inputs take); "threaded" is the default thread count for the decode
-(blocks on threads) with one soxr call, the default; "+resample" adds the opt-in threaded resampling
-(``resample(..., threads=N)``). Prints wall times per stage and checks the two results
-against each other (decode: bit-equal; resample: max abs difference).
+soundfile (libsndfile's LAME). Modes: "before" is what load_audio did until 2026-12-01 (one sf.read, one float64
+channel mean, one soxr call); "sequential" is ``AUDIO_THREADS = 1`` (block reads mixed block by block, one soxr
+call); "threaded" the default (blocks decoded on threads, one soxr call); "+resample" adds the opt-in threaded
+resampling (``resample(..., threads=N)``). Prints wall times per stage and compares every mode's mono signal
+(bit-equal?) and 16 kHz output (max abs difference) with "before".
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def main() -> None:
             print(line, flush=True)
             del mono, out
         del ref
-    print(f"best of {args.repeat} ({seconds / 60:.1f} min of audio):")
+    print(f"best of {args.repeat}, each column on its own ({seconds / 60:.1f} min of audio):")
     for name, _, _ in modes:
         b = best[name]
         print(f"  {name:10s} " + "  ".join(f"{k} {v:6.2f} s" for k, v in b.items())
