@@ -7,16 +7,16 @@
 """
 
 from .api import transcribe, transcribe_stream
-from .audio import AudioError
+from .audio import AudioError, AudioWarning
 from .config import ConfigError, GlmAsrConfig
 from .engine.loop import EngineClosed, EngineError
 from .handle import GlmAsr, TranscriptionJob, load
 from .options import DecodeOptions, EngineOptions
-from .results import Transcription, TranscriptDelta
+from .results import Segment, Transcription, TranscriptDelta
 from .tokenizer import TokenizerError
 from .weights import CheckpointError
 
 __all__ = ["load", "transcribe", "transcribe_stream", "GlmAsr", "TranscriptionJob", "Transcription",
            "TranscriptDelta", "DecodeOptions", "EngineOptions", "GlmAsrConfig", "AudioError", "CheckpointError",
-           "ConfigError", "TokenizerError", "EngineError", "EngineClosed"]
+           "ConfigError", "TokenizerError", "EngineError", "EngineClosed", "AudioWarning", "Segment"]
 __version__ = "0.1.0"

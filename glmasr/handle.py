@@ -146,9 +146,9 @@ class GlmAsr:
         if pieces is not None:
             plans = plan_pieces(audio, pieces, self.prompts, self.config, decode)
         else:
-            plans = plan_audio(audio, self.prompts, self.config, decode)
+            plans = plan_audio(audio, self.prompts, self.config, decode, device=self.device)
         assembler = TranscriptAssembler(self.prompts, plans, audio.duration_s, sum(p.num_windows for p in plans),
-                                        index, t_start, audio_ms)
+                                        index, t_start, audio_ms, audio.missing_s if audio.truncated else 0.0)
         if not plans:  # nothing to decode (no speech found): the job is done already
             return TranscriptionJob(_DoneStream(assembler), assembler)
         stream = self.loop.submit(plans, ignore_eos=decode.ignore_eos, repetition_stop=decode.repetition_stop)

@@ -92,15 +92,16 @@ def check_duration(audio: Audio, merge_factor: int) -> None:
                          f"are needed for one audio token")
 
 
-def plan_audio(audio: Audio, prompts, config, decode: DecodeOptions) -> list[GroupPlan]:
+def plan_audio(audio: Audio, prompts, config, decode: DecodeOptions, device=None) -> list[GroupPlan]:
     """The groups of one audio (see the module docstring); raises AudioError / ValueError naming the problem.
     ``decode.segmentation`` "windows": 30 s windows grouped like the reference processor (token-exact with
-    transformers); "vad": speech regions (``glmasr.vad``) merged into pieces of at most 30 s, one prompt each."""
+    transformers); "vad": speech regions (Silero VAD, ``glmasr.vad``, on ``device``) merged into pieces of at
+    most 30 s, one prompt each, each with its true times."""
     if decode.segmentation == "vad":
-        from .vad import merge_regions, speech_regions
+        from .vad import segment
 
         check_duration(audio, config.merge_factor)
-        return plan_pieces(audio, merge_regions(speech_regions(audio.samples)), prompts, config, decode)
+        return plan_pieces(audio, segment(audio.samples, max_s=30.0, device=device), prompts, config, decode)
     check_duration(audio, config.merge_factor)
     overhead = len(prompts.encode(1, decode.prompt)) - 1
     windows = split_windows(audio.samples)

@@ -35,6 +35,9 @@ class Transcription:
     # queue_ms (submitted -> first encoder work), decoder_ms (the rest), total_ms
     timings_ms: dict = field(default_factory=dict)
     segments: list[Segment] = field(default_factory=list)
+    # the file's header promised more audio than it held (an AudioWarning said so): how much is missing
+    truncated: bool = False
+    missing_s: float = 0.0
 
 
 @dataclass

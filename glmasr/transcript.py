@@ -49,7 +49,7 @@ class TranscriptAssembler:
     """Consumes ``SequenceOutput``s of one request (``feed``) and produces ``TranscriptDelta``s."""
 
     def __init__(self, prompts, plans, duration_s: float, num_windows: int, index: int = 0,
-                 t_start: float | None = None, audio_ms: float = 0.0):
+                 t_start: float | None = None, audio_ms: float = 0.0, missing_s: float = 0.0):
         self.prompts = prompts
         self.plans = plans
         self.duration_s = duration_s
@@ -57,6 +57,7 @@ class TranscriptAssembler:
         self.index = index
         self.t_start = time.perf_counter() if t_start is None else t_start
         self.audio_ms = audio_ms
+        self.missing_s = missing_s
         self.groups = [_GroupText(prompts) for _ in plans]
         self._current = 0  # first unfinished group: its text may be emitted as it comes
         self._emitted: list[str] = []
@@ -119,5 +120,5 @@ class TranscriptAssembler:
                                "stop"),
             duration_s=self.duration_s, num_windows=self.num_windows,
             num_audio_tokens=sum(p.audio_tokens for p in self.plans), num_groups=len(self.plans), timings_ms=timings,
-            segments=segments)
+            segments=segments, truncated=self.missing_s > 0, missing_s=self.missing_s)
         return TranscriptDelta(self.index, last + tail, True, self.result)

@@ -36,3 +36,46 @@ def test_bad_and_empty_pieces(tiny_asr):
 def test_unknown_segmentation():
     with pytest.raises(ValueError, match="segmentation"):
         DecodeOptions(segmentation="energy")
+
+
+def test_vad_segmentation_finds_the_speech(tiny_asr, tmp_path):
+    """segmentation="vad": Silero VAD regions merged into <= 30 s pieces become the prompts; every stretch of
+    synthesized speech lies inside a segment (0.1 s tolerance), and each segment gives what its stretch gives."""
+    import shutil
+
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed (Debian: apt-get install -y espeak-ng sox)")
+    from test_vad import SENTENCES, _extent, _place, _synthesize
+
+    clips = []
+    for text in SENTENCES[:3]:
+        x = 0.5 * _synthesize(text, str(tmp_path))
+        clips.append((x, _extent(x)))
+    audio, truth = _place(clips, 70.0, seed=5)
+    r = tiny_asr.submit(audio, DecodeOptions(max_new_tokens=5, segmentation="vad"), sampling_rate=16000).result()
+    assert r.segments and all(s.end - s.start <= 30.0 + 1e-6 for s in r.segments)
+    for a, b in truth:
+        assert any(s.start - 0.1 <= a and b <= s.end + 0.1 for s in r.segments), (a, b, r.segments)
+    assert r.segments[0].start >= truth[0][0] - 0.5  # the silence before the first speech is left out
+    for s in r.segments:
+        alone = glmasr.transcribe(audio[int(round(s.start * 16000)): int(round(s.end * 16000))], model=tiny_asr,
+                                  sampling_rate=16000, max_new_tokens=5)
+        assert s.token_ids == alone.token_ids
+
+
+def test_truncated_file_is_flagged_on_the_result(tiny_asr, tmp_path):
+    import warnings
+
+    import soundfile as sf
+
+    path = tmp_path / "cut.wav"
+    sf.write(path, noise(6.0, 3), 16000, subtype="PCM_16")
+    data = path.read_bytes()
+    path.write_bytes(data[: 44 + 2 * 16000 * 2])  # the header still says 6 s; 2 s of samples remain
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = glmasr.transcribe(str(path), model=tiny_asr, max_new_tokens=3)
+    assert any(issubclass(w.category, glmasr.AudioWarning) and "cut.wav" in str(w.message) for w in caught)
+    assert r.truncated and r.missing_s == pytest.approx(4.0, abs=0.01) and r.duration_s == pytest.approx(2.0)
+    whole = glmasr.transcribe(noise(2.0, 3), model=tiny_asr, sampling_rate=16000, max_new_tokens=3)
+    assert not whole.truncated and whole.missing_s == 0.0
