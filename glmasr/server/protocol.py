@@ -5,8 +5,8 @@ Request fields (multipart/form-data, as the ``openai`` client sends them: list f
 "true"/"false", fields left out are not sent):
 
 - ``file`` (required): the audio bytes; the format is detected from the bytes (wav, flac, ogg/vorbis/opus, mp3:
-  whatever libsndfile reads), never from the file name or content type, so a nameless ``upload`` with
-  ``application/octet-stream`` works.
+  whatever libsndfile reads; mp4/m4a/mov, webm/mkv and ADTS aac through PyAV, the ``containers`` extra), never from
+  the file name or content type, so a nameless ``upload`` with ``application/octet-stream`` works.
 - ``model`` (required): one of the served names (``GET /v1/models``); anything else is a 404.
 - ``prompt``: the model's instruction text. GLM-ASR is prompted with an instruction ("Please transcribe this audio
   into text" by default); ``prompt`` *replaces* it, exactly like ``glmasr --prompt`` and ``DecodeOptions.prompt``.
