@@ -1,5 +1,6 @@
 """Command line: ``glmasr AUDIO...`` (installed console command) and ``python demo.py``; ``glmasr serve ...``
-starts the OpenAI-compatible server (``glmasr.server.cli``; a file named ``serve`` is ``./serve``)."""
+starts the OpenAI-compatible server (``glmasr.server.cli``), ``glmasr transcribe FILES_OR_DIRS...`` writes
+transcripts and subtitles (``glmasr.transcribe_cli``). A file named ``serve`` or ``transcribe`` is ``./serve``."""
 
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         from .server.cli import main as serve
 
         return serve(args[1:])
+    if args and args[0] == "transcribe":
+        from .transcribe_cli import main as transcribe_files
+
+        return transcribe_files(args[1:])
     parser = argparse.ArgumentParser(description="Transcribe speech with GLM-ASR-Nano-2512.")
     parser.add_argument("audio", nargs="*",
                         help="audio files (wav, flac, ogg, mp3); default: the shipped sample speech_en.flac")

@@ -33,6 +33,20 @@ class TokenizerError(RuntimeError):
     pass
 
 
+def build_instruction(prompt: str | None, hotwords: list[str], default: str | None = None) -> str | None:
+    """The model's instruction with hotwords: ``prompt`` (or ``default``, else the default transcription
+    instruction, when None) plus ``\nHotwords: a, b`` when there are hotwords (the CLI's --hotwords, the
+    server's keywords[]). None = the checkpoint's default instruction unchanged."""
+    words = [w.strip() for w in hotwords]
+    if any(not w for w in words):
+        raise ValueError("hotwords must be non-empty text")
+    if not words:
+        return prompt
+    if prompt is None:
+        prompt = default or DEFAULT_PROMPT
+    return f"{prompt}\nHotwords: {', '.join(words)}"
+
+
 def _processor_settings(folder: Path) -> dict:
     for name in ("processor_config.json", "preprocessor_config.json"):
         p = folder / name

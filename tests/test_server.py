@@ -34,7 +34,7 @@ import glmasr  # noqa: E402
 from glmasr import writers  # noqa: E402
 from glmasr.options import DecodeOptions  # noqa: E402
 from glmasr.server import ServerConfig, create_app  # noqa: E402
-from glmasr.server.protocol import build_instruction  # noqa: E402
+from glmasr.tokenizer import build_instruction  # noqa: E402
 
 from conftest import noise  # noqa: E402
 

@@ -43,6 +43,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ..tokenizer import build_instruction
+
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 DEFAULT_MODEL_NAME = "glm-asr-nano-2512"
 MAX_PROMPT_CHARS = 4000
@@ -112,18 +114,6 @@ class TranscriptionRequest:
     @property
     def instruction(self) -> str | None:
         return build_instruction(self.prompt, self.keywords)
-
-
-def build_instruction(prompt: str | None, keywords: list[str], default: str | None = None) -> str | None:
-    """The model's instruction: ``prompt`` (or the checkpoint's default when None) plus ``\\nHotwords: a, b`` when
-    there are keywords. None = the checkpoint's default instruction unchanged."""
-    if not keywords:
-        return prompt
-    if prompt is None:
-        from ..tokenizer import DEFAULT_PROMPT
-
-        prompt = default or DEFAULT_PROMPT
-    return f"{prompt}\nHotwords: {', '.join(keywords)}"
 
 
 def _text_field(form, name: str) -> str | None:
