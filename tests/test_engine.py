@@ -100,6 +100,22 @@ def test_position_and_budget_errors(tiny_asr):
         Engine(tiny_asr.model, max_batch=0)
 
 
+def test_a_request_that_needs_every_position(tiny_asr):
+    """prompt + budget == the model's positions exactly is allowed, and the KV cache grows to hold it."""
+    reqs = requests_for(tiny_asr)
+    limit = tiny_asr.config.text.max_position_embeddings
+    prompt = reqs[0].prompt_embeds
+    full = GenerationRequest(prompt, limit - prompt.shape[0])
+    ref = greedy_generate(tiny_asr.model, [GenerationRequest(prompt, 40)], tiny_asr.config.text.eos_token_ids)
+    engine = Engine(tiny_asr.model, max_batch=2)
+    got = engine.generate([full])[0]
+    assert engine.runner.capacity == limit
+    if ref[0].finish_reason == "stop":  # the random model stops early: the same tokens as the reference
+        assert got.token_ids == ref[0].token_ids and got.finish_reason == "stop"
+    else:
+        assert got.token_ids[:40] == ref[0].token_ids
+
+
 def test_kv_capacity_grows_with_a_longer_request(tiny_asr):
     """The KV cache starts small and grows (contents copied) when a longer sequence arrives mid-run."""
     reqs = requests_for(tiny_asr, budgets=(30, 6, 40, 5, 50, 9, 12))

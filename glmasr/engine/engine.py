@@ -97,8 +97,7 @@ class Engine:
             if s.prompt_len + s.max_new_tokens > self.max_positions:
                 raise ValueError(f"request {rid}, group {s.index} needs {s.prompt_len + s.max_new_tokens} positions "
                                  f"(prompt + max_new_tokens), more than the model's {self.max_positions}")
-        self.scheduler.add(RequestState(rid, seqs, len(seqs), {"added": time.perf_counter(), "encodes": [],
-                                                               "features_s": 0.0}))
+        self.scheduler.add(RequestState(rid, seqs, len(seqs), {"added": time.perf_counter(), "encodes": []}))
         return rid
 
     def abort(self, request_id: int) -> bool:
@@ -140,7 +139,8 @@ class Engine:
         admitted = sched.next_admit()
         if not admitted and sched.num_running == 0:
             return
-        runner.ensure_capacity(max((s.host_pos + s.host_left + 2 for s in sched.slots if s is not None), default=0))
+        # positions a slot may still need: up to its prompt length + budget (host_pos + host_left + 1)
+        runner.ensure_capacity(max((s.host_pos + s.host_left + 1 for s in sched.slots if s is not None), default=0))
         runner.begin_round()
         steps = 0
         if admitted:
