@@ -296,3 +296,32 @@ def test_gpu_memory_does_not_grow_with_the_audio(tiny_shipped):
     print(f"cuda peak: an hour {hour['cuda_peak_bytes'] / 2**20:.0f} MB, two hours "
           f"{two['cuda_peak_bytes'] / 2**20:.0f} MB")
     assert two["cuda_peak_bytes"] <= hour["cuda_peak_bytes"] + 16 * 2**20, (hour, two)
+
+
+def test_abort_arriving_with_a_call_is_not_lost(tiny_shipped):
+    """An abort that reaches the engine thread together with a call (a warm-up, say) still aborts its request."""
+    import threading as th
+
+    asr = glmasr.load(tiny_shipped, device="cpu", max_batch=1)
+    try:
+        loop = asr.loop
+        gate = th.Event()
+        blocker = loop.call(lambda eng: gate.wait(30))  # holds the engine thread
+        job = asr.submit(noise(2.0, 1), DecodeOptions(max_new_tokens=2000, ignore_eos=True), sampling_rate=16000)
+        later = loop.call(lambda eng: None)  # a second call, pending with the abort below
+        job.abort()
+        gate.set()
+        blocker.result(timeout=30)
+        later.result(timeout=30)
+        deadline = time.perf_counter() + 30  # bounded: a lost abort or request would leave the stream open
+        while not job.stream.finished and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        assert job.stream.finished, "the aborted request's stream never ended"
+        with pytest.raises(RuntimeError, match="aborted"):
+            job.result()
+        deadline = time.perf_counter() + 10
+        while asr.engine.has_unfinished() and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        assert not asr.engine.has_unfinished()
+    finally:
+        asr.close()

@@ -214,10 +214,11 @@ class EngineLoop:
                 if self._closed and not self._inbox and not self._calls and not engine.has_unfinished():
                     return
                 call = self._calls.popleft() if self._calls and not engine.has_unfinished() else None
-                inbox = deque()
-                if not self._calls:  # a pending call waits for an idle engine: hold new requests back
-                    inbox, self._inbox = self._inbox, deque()
-                aborts, self._aborts = self._aborts, set()
+                inbox, aborts = deque(), set()
+                if call is None:  # (aborts and requests that came meanwhile wait for the next iteration)
+                    aborts, self._aborts = self._aborts, set()
+                    if not self._calls:  # a pending call waits for an idle engine: hold new requests back
+                        inbox, self._inbox = self._inbox, deque()
             if call is not None:
                 fn, fut = call
                 try:
