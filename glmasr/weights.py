@@ -139,12 +139,12 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
             if n < 2 or n > _MAX_HEADER_BYTES or 8 + n > size:
                 raise CheckpointError(f"cannot read {path}: not a safetensors file or truncated "
                                       f"(header length {n}, file size {size} bytes)")
-            text = f.read(n).decode("utf-8")
+            text = f.read(n).decode("utf-8").lstrip()
             # writers pad the header (spaces; some NULs) to align the data: only padding may follow the JSON
-            header, end = json.JSONDecoder().raw_decode(text.lstrip())
-            if text.lstrip()[end:].strip(" \t\r\n\x00"):
+            header, end = json.JSONDecoder().raw_decode(text)
+            if text[end:].strip(" \t\r\n\x00"):
                 raise CheckpointError(f"cannot read {path}: bytes after the JSON header (header length {n}): "
-                                      f"{text.lstrip()[end:end + 40]!r}")
+                                      f"{text[end:end + 40]!r}")
     except CheckpointError:
         raise
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
