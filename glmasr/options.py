@@ -12,10 +12,10 @@ Environment variables (each overrides the default; an explicit argument override
 | GLMASR_DECODE_GEMM | decode_gemm | "skinny" (GEMV kernels for the decode step) or "cublas" |
 | GLMASR_PDL | pdl | 0: no programmatic dependent launch in the decode step |
 | GLMASR_WEIGHTS_READER | weights_reader | "auto", "chunked" or "safe_open" (``weights.load_state_dict``) |
-| GLMASR_CACHE_DIR | (``cache_dir()``) | generated checkpoints (default $XDG_CACHE_HOME/glmasr or ~/.cache/glmasr) |
+| GLMASR_CACHE_DIR | (``cache_dir()``) | the cache root (default $XDG_CACHE_HOME/glmasr or ~/.cache/glmasr): generated checkpoints; the log-mel cubins in its ``cubins/`` |
 
-(The kernels, which import nothing from this package, document their own: the log-mel cubin cache also honours
-GLMASR_CACHE_DIR, ``kernels/logmel/_build.py``.)
+(The kernels, which import nothing from this package, read GLMASR_CACHE_DIR for their cubins themselves:
+``kernels/logmel/_build.py``.)
 """
 
 from __future__ import annotations
