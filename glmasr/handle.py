@@ -136,7 +136,7 @@ class GlmAsr:
         ``decode.segmentation``); each becomes a segment with those times."""
         decode = decode or DecodeOptions()
         t0 = time.perf_counter()
-        a = audio if isinstance(audio, Audio) else load_audio(audio, sampling_rate)
+        a = load_audio(audio, sampling_rate)  # an Audio passes through as it is
         return self.submit_loaded(a, decode, index, t0, 1e3 * (time.perf_counter() - t0), pieces)
 
     def submit_loaded(self, audio: Audio, decode: DecodeOptions, index: int = 0, t_start: float | None = None,

@@ -97,12 +97,11 @@ def plan_audio(audio: Audio, prompts, config, decode: DecodeOptions, device=None
     ``decode.segmentation`` "windows": 30 s windows grouped like the reference processor (token-exact with
     transformers); "vad": speech regions (Silero VAD, ``glmasr.vad``, on ``device``) merged into pieces of at
     most 30 s, one prompt each, each with its true times."""
+    check_duration(audio, config.merge_factor)
     if decode.segmentation == "vad":
         from .vad import segment
 
-        check_duration(audio, config.merge_factor)
         return plan_pieces(audio, segment(audio.samples, max_s=30.0, device=device), prompts, config, decode)
-    check_duration(audio, config.merge_factor)
     overhead = len(prompts.encode(1, decode.prompt)) - 1
     windows = split_windows(audio.samples)
     tokens = [max(0, int(frames_to_audio_tokens(num_valid_frames(w.shape[0]), config.merge_factor)))

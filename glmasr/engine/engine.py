@@ -191,8 +191,7 @@ class Engine:
     def warmup(self, **kwargs) -> dict:
         if self.has_unfinished():
             raise RuntimeError("warmup() needs an idle engine")
-        with torch.inference_mode():
-            return self.runner.warmup(**kwargs)
+        return self.runner.warmup(**kwargs)
 
     def generate(self, requests: list[GenerationRequest], ignore_eos: bool = False) -> list[GenerationResult]:
         """Decode prompts that are already embedded, all at once (each request is one sequence)."""

@@ -299,11 +299,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         for bkt in sorted({bucket(n, PREFILL_BUCKETS) for n in (prefill_lengths or ())}):
             if bkt <= self.capacity and self.prefill_graphs and bkt not in self._prefill_graphs:
+                # writes only slot 0's cache row and the graph's own buffers, no slot state
                 dummy = torch.zeros(1, self.cfg.text.hidden_size, device=self.device, dtype=self.model.dtype)
-                saved = [t.clone() for t in (self.tokens, self.positions, self.active, self.remaining, self.status)]
                 self._graphed_prefill(bkt, dummy.expand(bkt, -1), bkt, 0)
-                for t, s in zip((self.tokens, self.positions, self.active, self.remaining, self.status), saved):
-                    t.copy_(s)
         torch.cuda.synchronize(self.device)
         timings["prefill_graphs_ms"] = 1e3 * (time.perf_counter() - t0)
         t0 = time.perf_counter()
