@@ -4,8 +4,8 @@
   in [-1, 1) whatever the stored PCM format. Containers libsndfile cannot read (MP4/M4A/MOV, WebM/Matroska and
   raw AAC in ADTS: what the OpenAI transcription API accepts besides) are decoded with PyAV, FFmpeg bundled in
   the ``av`` wheel, an optional dependency: ``pip install 'glmasr[containers]'``. The magic bytes pick the
-  decoder (the extension where the bytes say nothing); a file libsndfile cannot open is given to PyAV as well
-  when it is installed.
+  decoder (never the name: an upload's can lie); a file libsndfile cannot open is given to PyAV as well when it
+  is installed.
 - A file whose header declares more audio than it holds (a WAV data chunk running past the end of the file, a
   FLAC STREAMINFO, MP3 Xing/Info, MP4 or WebM duration longer than what decodes, a decode error part-way) gives
   what could be decoded, one ``AudioWarning`` naming the file and the missing duration, and ``Audio.truncated``
@@ -26,10 +26,17 @@
   block resampling on threads is opt-in (``resample(..., threads=N)``, within float32 rounding of one call),
   since on a 2-vCPU host it was no faster.
 - Bad input (missing/corrupt file, empty audio, NaN/inf, a bad sample rate) raises ``AudioError`` naming it.
+- Bytes in memory (an upload: ``decode_audio_bytes``) take the same path as files: the format from the magic
+  bytes, the same decoders, truncation checks and threads. Encoded audio that cannot be used raises an
+  ``AudioDecodeError`` whose ``code`` says why (``empty_file``, ``invalid_audio``, ``unsupported_format``,
+  ``audio_too_long``); a duration limit is checked against the header first, then while decoding, which stops
+  one frame past the limit.
 """
 
 from __future__ import annotations
 
+import copy
+import io
 import math
 import os
 import struct
@@ -63,6 +70,59 @@ _LOSSLESS_FORMATS = _PCM_CONTAINERS | {"FLAC", "W64"}
 
 class AudioError(ValueError):
     """Audio that cannot be used: missing, unreadable, empty, non-finite or with a bad sample rate."""
+
+
+class AudioDecodeError(AudioError):
+    """Encoded audio (a file or bytes) that cannot be used. ``code``: the kind, stable for callers to branch on (the
+    server answers with it); ``format``: the format detected, when one was (e.g. "FLAC/PCM_16", "M4A (aac)")."""
+
+    code = "invalid_audio"
+
+    def __init__(self, message: str, *, format: str | None = None):
+        super().__init__(message)
+        self.format = format
+
+
+class EmptyAudioFileError(AudioDecodeError):
+    """The file or upload has no bytes at all."""
+
+    code = "empty_file"
+
+
+class InvalidAudioError(AudioDecodeError):
+    """Not decodable (not audio, corrupt, no audio stream) or decoded to nothing usable (no samples, NaN/inf)."""
+
+    code = "invalid_audio"
+
+
+class TruncatedAudioError(InvalidAudioError):
+    """Shorter than its header declares, or damaged part-way; raised only where truncation is refused
+    (``decode_audio_bytes(..., allow_truncated=False)``), else the audio is used with an ``AudioWarning``."""
+
+
+class UnsupportedFormatError(AudioDecodeError):
+    """A recognised format whose decoder is not installed (MP4/M4A/WebM/AAC without PyAV)."""
+
+    code = "unsupported_format"
+
+
+class AudioTooLongError(AudioDecodeError):
+    """Longer than the ``max_duration_s`` limit. ``duration_s``: what the header declares (None when refused while
+    decoding); ``decoded_s``: how far decoding got before it stopped (None when refused from the header)."""
+
+    code = "audio_too_long"
+
+    def __init__(self, message: str, *, format: str | None = None, limit_s: float | None = None,
+                 duration_s: float | None = None, decoded_s: float | None = None):
+        super().__init__(message, format=format)
+        self.limit_s, self.duration_s, self.decoded_s = limit_s, duration_s, decoded_s
+
+
+def _prefixed(e: AudioError, prefix: str) -> AudioError:
+    """``e`` (same class and attributes) with its message led by ``prefix``."""
+    new = copy.copy(e)
+    new.args = (f"{prefix}: {e}",)
+    return new
 
 
 class AudioWarning(UserWarning):
@@ -240,17 +300,38 @@ def resample(samples: np.ndarray, rate: int, target: int = SAMPLE_RATE, threads:
 # ---------------------------------------------------------------------------------------------------- files
 
 
+class _Source:
+    """Encoded audio to decode: a file (``path``) or bytes in memory (``data``); ``label`` names it in messages.
+    Every ``open`` / ``target`` is a fresh handle, so the threaded decode and the salvage read get their own."""
+
+    def __init__(self, label: str, path: Path | None = None, data: bytes | None = None):
+        self.label, self.path, self.data = label, path, data
+
+    @property
+    def size(self) -> int:
+        return self.path.stat().st_size if self.data is None else len(self.data)
+
+    def open(self):
+        """A binary file object (for the header parsers)."""
+        return open(self.path, "rb") if self.data is None else io.BytesIO(self.data)
+
+    def target(self):
+        """What soundfile / PyAV open: the path (their native I/O is faster) or a BytesIO sharing the bytes."""
+        return str(self.path) if self.data is None else io.BytesIO(self.data)
+
+
 @dataclass
 class _Decoded:
     """What a file decoded to: ``data`` (mono float32, or (frames, channels) when not mixed), its rate, the frame
     count its header declares (None: it declares none we trust), the error that stopped decoding part-way (None:
-    it decoded to its end) and the shortfall tolerated before the file counts as truncated."""
+    it decoded to its end), the shortfall tolerated before the file counts as truncated, and its format."""
 
     data: np.ndarray
     rate: int
     expected_frames: int | None = None
     error: str | None = None
     tolerance_frames: int = 0
+    format: str | None = None
 
     @property
     def frames(self) -> int:
@@ -268,8 +349,11 @@ class _Decoded:
 
 
 def _err_text(e: BaseException) -> str:
-    strerror = getattr(e, "strerror", None)  # PyAV's errors: without the errno and the file name
-    text = strerror.strip() if isinstance(strerror, str) and strerror.strip() else str(e).strip()
+    for attr in ("error_string", "strerror"):  # soundfile's and PyAV's errors without the file name / errno
+        text = getattr(e, attr, None)
+        if isinstance(text, str) and text.strip():
+            return text.strip()
+    text = str(e).strip()
     if text:
         return text
     code = getattr(e, "code", None)
@@ -282,7 +366,21 @@ def _concat(blocks: list[np.ndarray], channels: int, mono: bool) -> np.ndarray:
     return blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
 
 
-def _wav_declared_frames(path: Path) -> tuple[int | None, bool]:
+def _limit_frames(max_s: float | None, rate: int) -> int | None:
+    return None if max_s is None else int(math.floor(max_s * rate))
+
+
+def _too_long(label: str, fmt: str, limit_s: float, duration_s: float | None = None,
+              decoded_s: float | None = None) -> AudioTooLongError:
+    if duration_s is not None:
+        msg = f"{label}: the {fmt} audio is {duration_s:.1f} s long (its header says), over the limit of {limit_s:g} s"
+    else:
+        msg = (f"{label}: the {fmt} audio is longer than the limit of {limit_s:g} s (decoding stopped after "
+               f"{decoded_s:.2f} s)")
+    return AudioTooLongError(msg, format=fmt, limit_s=limit_s, duration_s=duration_s, decoded_s=decoded_s)
+
+
+def _wav_declared_frames(src: _Source) -> tuple[int | None, bool]:
     """(frames the WAV header declares, whether the data chunk runs past the end of the file). ``(None, False)``
     when it is no RIFF/RF64 WAVE, the data chunk is not found or its size is a streaming placeholder (0 with data
     after it, or >= 0x7FFF0000 bytes in a plain RIFF: what writers to a pipe leave, since they cannot go back to
@@ -290,8 +388,8 @@ def _wav_declared_frames(path: Path) -> tuple[int | None, bool]:
     Frames: data bytes / block align for PCM, float, A-law, mu-law and extensible; the fact chunk's count for
     other (compressed) codecs; None when neither is known."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
+        size = src.size
+        with src.open() as fh:
             head = fh.read(12)
             if len(head) < 12 or head[:4] not in (b"RIFF", b"RF64", b"BW64") or head[8:12] != b"WAVE":
                 return None, False
@@ -352,31 +450,33 @@ def _sf_read(f, count: int | None, mono: bool) -> tuple[list[np.ndarray], int, s
     return blocks, got, None
 
 
-def _sf_salvage(path: Path, start: int, mono: bool) -> list[np.ndarray]:
-    """After a read failed part-way (a cut FLAC): what can still be read from ``start`` in small reads (libsndfile
-    drops a whole read that hits the damage, so a big read loses up to a block of good audio)."""
+def _sf_salvage(src: _Source, start: int, mono: bool, stop: int | None) -> list[np.ndarray]:
+    """After a read failed part-way (a cut FLAC): what can still be read from ``start`` (up to ``stop``) in small
+    reads (libsndfile drops a whole read that hits the damage, so a big read loses up to a block of good audio)."""
     import soundfile as sf
 
-    blocks = []
+    blocks, got = [], start
     try:
-        with sf.SoundFile(str(path)) as f:
+        with sf.SoundFile(src.target()) as f:
             if start:
                 f.seek(start)
-            while True:
-                b = f.read(SALVAGE_READ_FRAMES, dtype="float32", always_2d=True)
+            while stop is None or got < stop:
+                n = SALVAGE_READ_FRAMES if stop is None else min(SALVAGE_READ_FRAMES, stop - got)
+                b = f.read(n, dtype="float32", always_2d=True)
                 if not len(b):
                     break
                 blocks.append(_mix(b) if mono else b)
+                got += len(b)
     except Exception:
         pass
     return blocks
 
 
-def _sf_read_range(path: Path, start: int, stop: int | None, mono: bool):
+def _sf_read_range(src: _Source, start: int, stop: int | None, mono: bool):
     import soundfile as sf
 
     try:
-        with sf.SoundFile(str(path)) as f:
+        with sf.SoundFile(src.target()) as f:
             if start:
                 f.seek(start)  # fails past the end of a cut file
             return _sf_read(f, None if stop is None else stop - start, mono)
@@ -384,116 +484,136 @@ def _sf_read_range(path: Path, start: int, stop: int | None, mono: bool):
         return [], 0, _err_text(e)
 
 
-def _sf_parallel(path: Path, frames: int, threads: int, mono: bool) -> list[np.ndarray] | None:
+def _sf_parallel(src: _Source, frames: int, threads: int, mono: bool, stop: int | None) -> list[np.ndarray] | None:
     """Blocks of the file decoded on ``threads`` threads, each with its own handle (libsndfile runs without the
-    GIL). None if any block came back short or failed (a truncated file, a wrong frame count): the caller then
-    decodes sequentially, which finds where the damage is."""
+    GIL). The last block reads to the end (or to ``stop``). None if any block came back short or failed (a
+    truncated file, a wrong frame count): the caller then decodes sequentially, which finds where the damage is."""
     nblocks = max(threads, min(threads * DECODE_BLOCKS_PER_THREAD, frames // (4 * READ_BLOCK_FRAMES)))
-    bounds = [round(i * frames / nblocks) for i in range(nblocks)] + [None]  # the last block reads to the end
+    bounds = [round(i * frames / nblocks) for i in range(nblocks)] + [stop]
     with ThreadPoolExecutor(min(threads, nblocks)) as pool:
-        results = list(pool.map(lambda i: _sf_read_range(path, bounds[i], bounds[i + 1], mono), range(nblocks)))
+        results = list(pool.map(lambda i: _sf_read_range(src, bounds[i], bounds[i + 1], mono), range(nblocks)))
     out = []
     for i, (blocks, got, error) in enumerate(results):
-        want = None if bounds[i + 1] is None else bounds[i + 1] - bounds[i]
-        if error is not None or (want is not None and got != want) or (want is None and got == 0):
+        last = i == nblocks - 1
+        if error is not None or (last and got == 0) or (not last and got != bounds[i + 1] - bounds[i]):
             return None
         out.extend(blocks)
     return out
 
 
-def _sf_decode(path: Path, mono: bool) -> _Decoded:
+def _sf_decode(src: _Source, mono: bool, max_s: float | None) -> _Decoded:
     """libsndfile. Raises _NotSoundfile when it cannot open the file at all (another decoder may)."""
     import soundfile as sf
 
     try:
-        f = sf.SoundFile(str(path))
+        f = sf.SoundFile(src.target())
     except Exception as e:
         raise _NotSoundfile(_err_text(e)) from None
     with f:
         rate, channels, frames = int(f.samplerate), int(f.channels), int(f.frames)
         fmt, subtype = f.format, f.subtype
+        name = f"{fmt}/{subtype}"
+        limit = _limit_frames(max_s, rate)
+        # libsndfile's count: trimmed to the bytes present for WAV, an estimate for MP3 without a Xing header (so
+        # MP3 is only limited while decoding); lossy counts may include a codec frame of padding
+        slack = 0 if fmt in _LOSSLESS_FORMATS else int(LOSSY_TOLERANCE_S * rate)
+        if limit is not None and fmt != "MP3" and frames - slack > limit:
+            raise _too_long(src.label, name, max_s, duration_s=frames / rate)
+        stop = None if limit is None else limit + 1  # one frame past the limit is enough to refuse
         threads = _threads()
         blocks = None
-        if (threads > 1 and f.seekable() and frames >= PARALLEL_MIN_S * rate
+        if (threads > 1 and f.seekable() and frames >= PARALLEL_MIN_S * rate and (limit is None or frames <= limit)
                 and (fmt in _EXACT_SEEK_FORMATS or (fmt in _PCM_CONTAINERS and subtype in _PCM_SUBTYPES))):
-            blocks = _sf_parallel(path, frames, threads, mono)
+            blocks = _sf_parallel(src, frames, threads, mono, stop)
         error = None
         if blocks is None:
-            blocks, got, error = _sf_read(f, None, mono)
+            blocks, got, error = _sf_read(f, stop, mono)
             if error is not None:
-                blocks += _sf_salvage(path, got, mono)
+                blocks += _sf_salvage(src, got, mono, stop)
     data = _concat(blocks, channels, mono)
+    if limit is not None and data.shape[0] > limit:
+        raise _too_long(src.label, name, max_s, decoded_s=data.shape[0] / rate)
     if fmt in ("WAV", "WAVEX", "RF64"):  # libsndfile trims its count to the bytes present: read the header
-        expected, past_end = _wav_declared_frames(path)
+        expected, past_end = _wav_declared_frames(src)
         tolerance = 0
         if past_end and expected is None and error is None:  # a compressed codec without a fact chunk
             error = "its data chunk declares more bytes than the file holds"
     elif fmt == "MP3":  # the Xing/Info header's count is exact; without one libsndfile's count is an estimate
         expected, tolerance = frames, int(LOSSY_TOLERANCE_S * rate) + frames // 100
-    elif fmt in _LOSSLESS_FORMATS:
-        expected, tolerance = frames, 0
     else:
-        expected, tolerance = frames, int(LOSSY_TOLERANCE_S * rate)
+        expected, tolerance = frames, slack
     if expected is not None and expected <= 0:
         expected = None
-    return _Decoded(data, rate, expected, error, tolerance)
+    return _Decoded(data, rate, expected, error, tolerance, name)
 
 
 class _NotSoundfile(Exception):
     pass
 
 
-_CONTAINER_EXTENSIONS = {".mp4": "MP4", ".m4a": "M4A", ".m4b": "M4A", ".mov": "QuickTime", ".3gp": "3GP",
-                         ".webm": "WebM", ".mkv": "Matroska", ".mka": "Matroska", ".aac": "AAC (ADTS)",
-                         ".adts": "AAC (ADTS)"}
 _SOUNDFILE_MAGIC = (b"RIFF", b"RF64", b"BW64", b"fLaC", b"OggS", b"FORM", b"ID3", b".snd", b"caff", b"riff")
+_QUICKTIME_ATOMS = (b"moov", b"mdat", b"wide", b"free", b"skip", b"pnot")  # first atoms of MOVs without ftyp
+_READABLE = ("wav, flac, ogg (vorbis/opus), mp3, aiff; with PyAV (pip install 'glmasr[containers]') also "
+             "mp4/m4a/mov, webm/mkv and aac")
 
 
-def _sniff_container(path: Path, head: bytes) -> str | None:
-    """The kind of container soundfile cannot read (decoded with PyAV), from the magic bytes, else from the
-    extension when the bytes are not a format libsndfile knows; None otherwise."""
+def _sniff_container(head: bytes) -> str | None:
+    """The kind of container libsndfile cannot read (decoded with PyAV), from the magic bytes alone (a name can
+    lie); None for libsndfile's formats and for bytes that say nothing (libsndfile, then PyAV, try those)."""
+    if head.startswith(_SOUNDFILE_MAGIC):
+        return None
     if head[4:8] == b"ftyp":
-        return _CONTAINER_EXTENSIONS.get(path.suffix.lower(), "MP4")
-    if head[:4] == b"\x1a\x45\xdf\xa3":
-        return "WebM" if path.suffix.lower() == ".webm" else "Matroska"
+        brand = head[8:12]
+        if brand in (b"M4A ", b"M4B ", b"M4P "):
+            return "M4A"
+        if brand == b"qt  ":
+            return "QuickTime"
+        return "3GP" if brand[:3] in (b"3gp", b"3g2") else "MP4"
+    if head[4:8] in _QUICKTIME_ATOMS:
+        return "QuickTime"
+    if head[:4] == b"\x1a\x45\xdf\xa3":  # EBML; the DocType element follows within the first bytes
+        return "WebM" if b"webm" in head[:64] else "Matroska"
     if len(head) >= 2 and head[0] == 0xFF and (head[1] & 0xF6) == 0xF0:  # ADTS sync: 12 one bits, layer 00
         return "AAC (ADTS)"
-    if head.startswith(_SOUNDFILE_MAGIC) or (len(head) >= 2 and head[0] == 0xFF and (head[1] & 0xE0) == 0xE0):
-        return None  # wav/flac/ogg/aiff/au/caf/mp3, whatever the name says
-    return _CONTAINER_EXTENSIONS.get(path.suffix.lower())
-
-
-def _av_declared_frames(container, stream, rate: int) -> int | None:
-    """The duration an MP4/MOV (per-stream duration in the moov) or Matroska/WebM (segment duration) header
-    declares, in frames; None for streams whose duration FFmpeg can only estimate (ADTS: from the bit rate)."""
-    names = set(container.format.name.split(","))
-    if names & {"mov", "mp4", "m4a", "3gp"}:
-        if stream.duration and stream.time_base:
-            return int(round(float(stream.duration * stream.time_base) * rate))
-    elif names & {"matroska", "webm"}:
-        if container.duration:
-            return int(round(container.duration * rate / 1_000_000))
     return None
 
 
-def _av_decode(path: Path, kind: str, mono: bool) -> _Decoded:
+def _av_declared_s(container, stream) -> float | None:
+    """The duration an MP4/MOV (per-stream duration in the moov) or Matroska/WebM (segment duration) header
+    declares, in seconds; None for streams whose duration FFmpeg can only estimate (ADTS: from the bit rate)."""
+    names = set(container.format.name.split(","))
+    if names & {"mov", "mp4", "m4a", "3gp"}:
+        if stream.duration and stream.time_base:
+            return float(stream.duration * stream.time_base)
+    elif names & {"matroska", "webm"}:
+        if container.duration:
+            return container.duration / 1_000_000
+    return None
+
+
+def _av_decode(src: _Source, kind: str, mono: bool, max_s: float | None) -> _Decoded:
     try:
         import av
     except ImportError:
-        raise AudioError(f"cannot decode audio file {path}: {kind} files are decoded with PyAV, which is not "
-                         f"installed: pip install 'glmasr[containers]' (or pip install av)") from None
+        raise UnsupportedFormatError(f"cannot decode {src.label}: {kind} files are decoded with PyAV, which is not "
+                                     f"installed: pip install 'glmasr[containers]' (or pip install av)",
+                                     format=kind) from None
     try:
-        container = av.open(str(path), "r")
+        container = av.open(src.target(), "r")
     except Exception as e:
         hint = (" (a cut MP4/M4A/MOV file loses its index, which most writers put at the end)"
                 if kind in ("MP4", "M4A", "QuickTime", "3GP") else "")
-        raise AudioError(f"cannot decode audio file {path}: {_err_text(e)}{hint}") from None
+        raise InvalidAudioError(f"cannot decode {src.label}: {_err_text(e)}{hint}", format=kind) from None
     with container:
         if not container.streams.audio:
-            raise AudioError(f"cannot decode audio file {path}: it has no audio stream")
+            raise InvalidAudioError(f"cannot decode {src.label}: it has no audio stream", format=kind)
         stream = container.streams.audio[0]
+        name = f"{kind if kind != 'audio' else container.format.name} ({stream.codec_context.name})"
+        declared_s = _av_declared_s(container, stream)
+        if max_s is not None and declared_s is not None and declared_s - LOSSY_TOLERANCE_S > max_s:
+            raise _too_long(src.label, name, max_s, duration_s=declared_s)
         resampler = av.AudioResampler(format="fltp")  # sample format only: same layout and rate (no resampling)
-        blocks, pending, pending_n, got, error, rate, channels = [], [], 0, 0, None, None, None
+        blocks, pending, pending_n, got, error, rate, channels, limit = [], [], 0, 0, None, None, None, None
 
         def flush():
             nonlocal pending, pending_n
@@ -506,17 +626,21 @@ def _av_decode(path: Path, kind: str, mono: bool) -> _Decoded:
             pending, pending_n = [], 0
 
         def take(frames):
-            nonlocal rate, channels, pending_n, got
+            nonlocal rate, channels, pending_n, got, limit
             for fr in frames:
                 a = fr.to_ndarray()
                 if rate is None:
                     rate, channels = int(fr.sample_rate), a.shape[0]
+                    limit = _limit_frames(max_s, rate)
                 elif int(fr.sample_rate) != rate or a.shape[0] != channels:
-                    raise AudioError(f"cannot decode audio file {path}: the stream changes from {rate} Hz, "
-                                     f"{channels} channels to {fr.sample_rate} Hz, {a.shape[0]} channels")
+                    raise InvalidAudioError(f"cannot decode {src.label}: the stream changes from {rate} Hz, "
+                                            f"{channels} channels to {fr.sample_rate} Hz, {a.shape[0]} channels",
+                                            format=name)
                 pending.append(a)
                 pending_n += a.shape[1]
                 got += a.shape[1]
+                if limit is not None and got > limit:  # stop here: the rest is never decoded
+                    raise _too_long(src.label, name, max_s, decoded_s=got / rate)
                 if pending_n >= READ_BLOCK_FRAMES:
                     flush()
 
@@ -531,43 +655,53 @@ def _av_decode(path: Path, kind: str, mono: bool) -> _Decoded:
         flush()
         if rate is None:
             if error is not None:
-                raise AudioError(f"cannot decode audio file {path}: {error}")
+                raise InvalidAudioError(f"cannot decode {src.label}: {error}", format=name)
             rate = int(stream.codec_context.sample_rate or stream.rate or 0)
             channels = int(stream.codec_context.channels or 1)
             if rate <= 0:
-                raise AudioError(f"cannot decode audio file {path}: the audio stream has no sample rate")
-        expected = _av_declared_frames(container, stream, rate)
-    return _Decoded(_concat(blocks, channels, mono), rate, expected, error, int(LOSSY_TOLERANCE_S * rate))
+                raise InvalidAudioError(f"cannot decode {src.label}: the audio stream has no sample rate",
+                                        format=name)
+        expected = None if declared_s is None else int(round(declared_s * rate))
+    return _Decoded(_concat(blocks, channels, mono), rate, expected, error, int(LOSSY_TOLERANCE_S * rate), name)
 
 
-def _decode_path(path: str | os.PathLike, mono: bool) -> _Decoded:
+def _decode(src: _Source, mono: bool, max_s: float | None = None) -> _Decoded:
+    """The one decoder of files and bytes: the magic bytes pick PyAV (containers) or libsndfile, whose failures go
+    to PyAV too when it is installed. ``max_s``: raise AudioTooLongError past that many seconds."""
+    try:
+        with src.open() as fh:
+            head = fh.read(64)
+    except OSError as e:
+        raise AudioError(f"cannot read {src.label}: {_err_text(e)}") from None
+    if not head:
+        raise EmptyAudioFileError(f"cannot decode {src.label}: the file is empty (0 bytes)")
+    kind = _sniff_container(head)
+    if kind is not None:
+        return _av_decode(src, kind, mono, max_s)
+    try:
+        return _sf_decode(src, mono, max_s)
+    except _NotSoundfile as e:
+        hint = "" if head.startswith(_SOUNDFILE_MAGIC) else f" (readable: {_READABLE})"  # known magic: damaged
+        unknown = InvalidAudioError(f"cannot decode {src.label}: {e}{hint}")
+    try:  # a format libsndfile does not know: FFmpeg may (when PyAV is installed)
+        import av  # noqa: F401
+    except ImportError:
+        raise unknown from None
+    try:
+        return _av_decode(src, "audio", mono, max_s)
+    except AudioTooLongError:
+        raise
+    except AudioDecodeError:
+        raise unknown from None
+
+
+def _decode_path(path: str | os.PathLike, mono: bool, max_s: float | None = None) -> _Decoded:
     p = Path(path).expanduser()
     if not p.exists():
         raise AudioError(f"audio file not found: {p}")
     if p.is_dir():
         raise AudioError(f"audio path is a folder, not a file: {p}")
-    try:
-        with open(p, "rb") as fh:
-            head = fh.read(16)
-    except OSError as e:
-        raise AudioError(f"cannot read audio file {p}: {_err_text(e)}") from None
-    if not head:
-        raise AudioError(f"cannot decode audio file {p}: the file is empty (0 bytes)")
-    kind = _sniff_container(p, head)
-    if kind is not None:
-        return _av_decode(p, kind, mono)
-    try:
-        return _sf_decode(p, mono)
-    except _NotSoundfile as e:
-        sf_error = str(e)
-    try:  # a format libsndfile does not know: FFmpeg may (when PyAV is installed)
-        import av  # noqa: F401
-    except ImportError:
-        raise AudioError(f"cannot decode audio file {p}: {sf_error}") from None
-    try:
-        return _av_decode(p, "audio", mono)
-    except AudioError:
-        raise AudioError(f"cannot decode audio file {p}: {sf_error}") from None
+    return _decode(_Source(f"audio file {p}", path=p), mono, max_s)
 
 
 def _truncation_message(source: str, dec: _Decoded) -> str:
@@ -581,8 +715,34 @@ def _truncation_message(source: str, dec: _Decoded) -> str:
     return msg + (f" ({dec.error})" if dec.error else "")
 
 
-def _warn_truncated(source: str, dec: _Decoded) -> None:
-    warnings.warn(_truncation_message(source, dec), AudioWarning, stacklevel=3)
+def _samples_16k(data, rate, source: str, error: type[AudioError]) -> np.ndarray:
+    """Checked samples at ``rate`` -> 16 kHz mono float32; the checks raise ``error`` (InvalidAudioError for
+    decoded audio, so a bad file or upload keeps its typed code)."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) or not 1000 <= int(rate) <= 768000:
+        raise error(f"{source}: sampling_rate must be an integer in [1000, 768000] Hz, got {rate!r}")
+    data = _to_mono(_to_float(np.asarray(data), source), source)
+    if data.shape[0] == 0:
+        raise error(f"{source}: audio is empty (0 samples)")
+    if not np.isfinite(data).all():
+        bad = int((~np.isfinite(data)).sum())
+        raise error(f"{source}: audio has {bad} NaN or infinite samples")
+    return np.ascontiguousarray(resample(data, int(rate)), dtype=np.float32)
+
+
+def _decoded_audio(dec: _Decoded, source: str, sampling_rate: int | None, allow_truncated: bool) -> Audio:
+    """A decode of a file or bytes -> ``Audio`` (rate check, truncation warning or refusal, the sample checks)."""
+    if sampling_rate is not None and int(sampling_rate) != dec.rate:
+        raise AudioError(f"{source}: file is {dec.rate} Hz but sampling_rate={sampling_rate} was given")
+    if dec.truncated:
+        if dec.frames == 0:
+            declared = "" if dec.expected_frames is None else f" (its header declares {dec.expected_duration_s:.2f} s)"
+            raise InvalidAudioError(f"{source}: audio is empty: nothing could be decoded, the file is truncated or "
+                                    f"damaged{declared}" + (f" ({dec.error})" if dec.error else ""), format=dec.format)
+        if not allow_truncated:
+            raise TruncatedAudioError(_truncation_message(source, dec), format=dec.format)
+        warnings.warn(_truncation_message(source, dec), AudioWarning, stacklevel=3)  # the caller of load_audio
+    samples = _samples_16k(dec.data, dec.rate, source, InvalidAudioError)
+    return Audio(samples=samples, source=source, expected_duration_s=dec.expected_duration_s, truncated=dec.truncated)
 
 
 def read_file(path: str | os.PathLike) -> tuple[np.ndarray, int]:
@@ -591,8 +751,33 @@ def read_file(path: str | os.PathLike) -> tuple[np.ndarray, int]:
     dec = _decode_path(path, mono=False)
     data = dec.data[:, 0] if dec.data.ndim == 2 and dec.data.shape[1] == 1 else dec.data
     if dec.truncated and dec.frames:
-        _warn_truncated(str(Path(path).expanduser()), dec)
+        warnings.warn(_truncation_message(str(Path(path).expanduser()), dec), AudioWarning, stacklevel=2)
     return data, dec.rate
+
+
+def decode_audio_bytes(data: bytes | bytearray | memoryview, name: str = "audio bytes",
+                       max_duration_s: float | None = None, *, allow_truncated: bool = True) -> Audio:
+    """Encoded audio in memory (an upload) -> 16 kHz mono ``Audio``: sample for sample what ``load_audio`` gives
+    for the same bytes in a file (one code path: format sniffing, decoders, threads, checks).
+
+    The format comes from the bytes; ``name`` only names the audio in messages and ``Audio.source``.
+    ``max_duration_s`` (None: no limit): longer audio raises ``AudioTooLongError``, from the header where it
+    declares a duration this reader trusts (not MP3's estimate, not ADTS), else while decoding, which stops one
+    frame past the limit: nothing after it is decoded. ``allow_truncated=False`` refuses a stream shorter than its
+    header declares or damaged part-way (``TruncatedAudioError``) instead of using what decodes with an
+    ``AudioWarning``.
+
+    Raises (all ``AudioDecodeError``, by ``code``): ``EmptyAudioFileError`` (empty_file: no bytes),
+    ``InvalidAudioError`` (invalid_audio: not audio, corrupt, nothing decoded, NaN/inf; ``TruncatedAudioError``),
+    ``UnsupportedFormatError`` (unsupported_format: a container without PyAV installed), ``AudioTooLongError``
+    (audio_too_long)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"{name}: decode_audio_bytes takes bytes, got {type(data).__name__}")
+    if max_duration_s is not None and not max_duration_s > 0:
+        raise ValueError(f"max_duration_s must be a positive number of seconds or None, got {max_duration_s!r}")
+    data = bytes(data)  # the same object for bytes; a fixed copy of a mutable buffer
+    dec = _decode(_Source(name, data=data), mono=True, max_s=max_duration_s)
+    return _decoded_audio(dec, name, None, allow_truncated)
 
 
 def load_audio(audio, sampling_rate: int | None = None, source: str | None = None) -> Audio:
@@ -602,46 +787,26 @@ def load_audio(audio, sampling_rate: int | None = None, source: str | None = Non
     ``source``: how messages name the input (e.g. "audio 3" for the fourth item of a batch); the default is
     the path, or "ndarray/Tensor of shape (...), dtype ...". Every AudioError starts with it, and so does the
     ``AudioWarning`` for a truncated file (issued once per call; the result's ``truncated`` says so too).
+    Files decode as ``decode_audio_bytes`` does and raise the same ``AudioDecodeError`` kinds.
     """
     if isinstance(audio, Audio):
         return audio
-    expected_s, truncated = None, False
     if isinstance(audio, (str, os.PathLike)):
         try:
             dec = _decode_path(audio, mono=True)
         except AudioError as e:  # these already name the path
-            raise (e if source is None else AudioError(f"{source}: {e}")) from None
+            raise (e if source is None else _prefixed(e, source)) from None
         source = str(audio) if source is None else f"{source} ({audio})"
-        data, rate = dec.data, dec.rate
-        if sampling_rate is not None and int(sampling_rate) != rate:
-            raise AudioError(f"{source}: file is {rate} Hz but sampling_rate={sampling_rate} was given")
-        expected_s, truncated = dec.expected_duration_s, dec.truncated
-        if truncated:
-            if dec.frames == 0:
-                declared = "" if dec.expected_frames is None else f" (its header declares {dec.expected_duration_s:.2f} s)"
-                raise AudioError(f"{source}: audio is empty: nothing could be decoded, the file is truncated or "
-                                 f"damaged{declared}" + (f" ({dec.error})" if dec.error else ""))
-            _warn_truncated(source, dec)
-    elif isinstance(audio, (np.ndarray, torch.Tensor)):
+        return _decoded_audio(dec, source, sampling_rate, allow_truncated=True)
+    if isinstance(audio, (np.ndarray, torch.Tensor)):
         what = f"{type(audio).__name__} of shape {tuple(audio.shape)}, dtype {audio.dtype}"
         source = what if source is None else f"{source} ({what})"
         if sampling_rate is None:
             raise AudioError(f"{source}: pass sampling_rate= with raw audio arrays (e.g. 16000)")
-        rate = sampling_rate
         data = _tensor_to_numpy(audio, source) if isinstance(audio, torch.Tensor) else np.asarray(audio)
-    else:
-        raise AudioError(f"{'' if source is None else source + ': '}unsupported audio input type "
-                         f"{type(audio).__name__}: pass a file path, a numpy array or a torch tensor")
-    if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) or not 1000 <= int(rate) <= 768000:
-        raise AudioError(f"{source}: sampling_rate must be an integer in [1000, 768000] Hz, got {rate!r}")
-    data = _to_mono(_to_float(np.asarray(data), source), source)
-    if data.shape[0] == 0:
-        raise AudioError(f"{source}: audio is empty (0 samples)")
-    if not np.isfinite(data).all():
-        bad = int((~np.isfinite(data)).sum())
-        raise AudioError(f"{source}: audio has {bad} NaN or infinite samples")
-    samples = np.ascontiguousarray(resample(data, int(rate)), dtype=np.float32)
-    return Audio(samples=samples, source=source, expected_duration_s=expected_s, truncated=truncated)
+        return Audio(samples=_samples_16k(data, sampling_rate, source, AudioError), source=source)
+    raise AudioError(f"{'' if source is None else source + ': '}unsupported audio input type "
+                     f"{type(audio).__name__}: pass a file path, a numpy array or a torch tensor")
 
 
 def split_windows(samples: np.ndarray) -> list[np.ndarray]:

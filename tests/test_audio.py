@@ -1,5 +1,6 @@
 """Audio input: formats, rates, channels, PCM types, and clear errors for bad input."""
 
+import io
 import sys
 
 import numpy as np
@@ -230,12 +231,16 @@ def _cut(src, dst, fraction=None, nbytes=None):
     return dst
 
 
-def _load_warned(path, **kw):
-    """load_audio with every warning recorded: (Audio, [AudioWarning messages])."""
+def _warned(fn, *args, **kw):
+    """fn(*args, **kw) with every warning recorded: (its Audio, [AudioWarning messages])."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        a = load_audio(path, **kw)
+        a = fn(*args, **kw)
     return a, [str(w.message) for w in caught if issubclass(w.category, AudioWarning)]
+
+
+def _load_warned(path, **kw):
+    return _warned(load_audio, path, **kw)
 
 
 def test_audio_keeps_its_two_field_construction():
@@ -586,3 +591,218 @@ def test_truncated_wav_with_other_codecs(tmp_path, subtype):
     a, msgs = _load_warned(_cut(full, tmp_path / "cut.wav", 0.5))
     assert a.truncated and len(msgs) == 1 and "cut.wav" in msgs[0], msgs
     assert 1.5 < a.duration_s < 2.2
+
+
+# ------------------------------------------------------------------- bytes in memory (uploads): one decoder
+
+from glmasr.audio import (AudioDecodeError, AudioTooLongError, EmptyAudioFileError, InvalidAudioError,  # noqa: E402
+                          TruncatedAudioError, UnsupportedFormatError, decode_audio_bytes)
+
+SOUNDFILE_FORMATS = [  # name, format, subtype, rate, channels
+    ("a.wav", "WAV", "PCM_16", 44100, 2), ("f.wav", "WAV", "FLOAT", 16000, 1),
+    ("a.flac", "FLAC", "PCM_24", 48000, 1), ("a.mp3", "MP3", "MPEG_LAYER_III", 44100, 2),
+    ("a.ogg", "OGG", "VORBIS", 22050, 1), ("a.opus", "OGG", "OPUS", 48000, 1),
+]
+
+
+def _sf_file(path, seconds, fmt, subtype, rate, channels=1, seed=50):
+    x = np.stack([noise(seconds, seed + c, rate=rate, scale=0.2) for c in range(channels)], axis=1)
+    sf.write(path, x if channels > 1 else x[:, 0], rate, format=fmt, subtype=subtype)
+    return path
+
+
+def _assert_same_audio(a, b):
+    assert a.samples.dtype == b.samples.dtype == np.float32
+    np.testing.assert_array_equal(a.samples, b.samples)
+    assert (a.truncated, a.expected_duration_s) == (b.truncated, b.expected_duration_s)
+
+
+@pytest.mark.parametrize("name, fmt, subtype, rate, channels", SOUNDFILE_FORMATS,
+                         ids=[f[0] for f in SOUNDFILE_FORMATS])
+def test_bytes_equal_the_file_sample_for_sample(tmp_path, name, fmt, subtype, rate, channels):
+    """The bytes of a file decode to exactly what load_audio gives for the file, whatever the name says."""
+    path = _sf_file(tmp_path / name, 3.0, fmt, subtype, rate, channels)
+    data = path.read_bytes()
+    assert audio_mod._sniff_container(data[:64]) is None  # libsndfile's, from the magic bytes
+    from_file = load_audio(path)
+    for label in ("upload", "clip.m4a", "clip.webm"):  # the name never picks the decoder
+        a = decode_audio_bytes(data, label)
+        _assert_same_audio(a, from_file)
+        assert a.source == label and not a.truncated
+
+
+@pytest.mark.parametrize("name, fmt, codec, rate, channels, options, frame, slack", CONTAINERS,
+                         ids=[c[0] for c in CONTAINERS])
+def test_container_bytes_equal_the_file(tmp_path, name, fmt, codec, rate, channels, options, frame, slack):
+    """mp4/m4a/adts/webm made with PyAV: detected from the bytes (under any name) and decoded to the file's samples."""
+    path = tmp_path / name
+    _encode(path, fmt, codec, rate, 2.0, channels=channels, options=options)
+    data = path.read_bytes()
+    kind = {"mp4": "MP4", "ipod": "M4A", "adts": "AAC (ADTS)", "webm": "WebM"}[fmt]
+    assert audio_mod._sniff_container(data[:64]) == kind
+    from_file = load_audio(path)
+    _assert_same_audio(decode_audio_bytes(data, "upload.wav"), from_file)
+    _assert_same_audio(decode_audio_bytes(bytearray(data)), from_file)  # any bytes-like
+
+
+def test_bytes_take_the_threaded_path_too(tmp_path, small_blocks, monkeypatch):
+    path = _sf_file(tmp_path / "long.flac", 12.0, "FLAC", "PCM_16", 16000, 2)
+    threaded = decode_audio_bytes(path.read_bytes())
+    assert small_blocks == [True]
+    monkeypatch.setattr(audio_mod, "AUDIO_THREADS", 1)
+    _assert_same_audio(threaded, load_audio(path))
+    # a limit the audio is under keeps the threaded path and its samples
+    monkeypatch.setattr(audio_mod, "AUDIO_THREADS", 3)
+    _assert_same_audio(decode_audio_bytes(path.read_bytes(), max_duration_s=12.0), threaded)
+    assert small_blocks == [True, True]
+
+
+def test_bytes_errors_are_typed_with_codes(tmp_path):
+    full = _sf_file(tmp_path / "a.wav", 2.0, "WAV", "PCM_16", 16000).read_bytes()
+    cases = [
+        (b"", EmptyAudioFileError, "empty_file", r"^cannot decode up\.wav: the file is empty \(0 bytes\)$"),
+        (b"this is not audio at all" * 10, InvalidAudioError, "invalid_audio",
+         r"^cannot decode up\.wav: .*\(readable: wav, flac"),
+        (b"RIFF\x00\x00\x00\x00WAVEgarbage" + bytes(100), InvalidAudioError, "invalid_audio",
+         r"^cannot decode up\.wav: (?!.*readable)"),  # a known magic: damaged, no list of formats
+        (full[:44], InvalidAudioError, "invalid_audio", r"^up\.wav: audio is empty: nothing could be decoded.*2\.00 s"),
+    ]
+    for data, cls, code, match in cases:
+        with pytest.raises(cls, match=match) as e:
+            decode_audio_bytes(data, "up.wav")
+        assert type(e.value) is cls and e.value.code == code
+        assert isinstance(e.value, AudioDecodeError) and isinstance(e.value, AudioError)  # old handlers still catch
+    x = np.full(16000, np.nan, np.float32)
+    b = io.BytesIO()
+    sf.write(b, x, 16000, format="WAV", subtype="FLOAT")
+    with pytest.raises(InvalidAudioError, match=r"^up\.wav: audio has 16000 NaN"):
+        decode_audio_bytes(b.getvalue(), "up.wav")
+    with pytest.raises(TypeError, match="takes bytes"):
+        decode_audio_bytes(str(tmp_path / "a.wav"))
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="max_duration_s"):
+            decode_audio_bytes(full, max_duration_s=bad)
+
+
+def test_files_raise_the_same_typed_errors(tmp_path):
+    (tmp_path / "empty.wav").write_bytes(b"")
+    with pytest.raises(EmptyAudioFileError):
+        load_audio(tmp_path / "empty.wav")
+    with pytest.raises(EmptyAudioFileError, match=r"^clip 5: cannot decode audio file .*empty\.wav") as e:
+        load_audio(tmp_path / "empty.wav", source="clip 5")  # the source prefix keeps the class and code
+    assert e.value.code == "empty_file"
+
+
+def test_corrupt_container_bytes_are_invalid_audio(tmp_path):
+    pytest.importorskip("av")
+    rng = np.random.default_rng(1)
+    for data in (b"\x00\x00\x00\x18ftypisom" + rng.bytes(500), b"\x1a\x45\xdf\xa3" + rng.bytes(500)):
+        with pytest.raises(InvalidAudioError, match=r"^cannot decode x: ") as e:
+            decode_audio_bytes(data, "x")
+        assert e.value.code == "invalid_audio" and e.value.format in ("MP4", "Matroska")
+    full = tmp_path / "full.mp4"  # moov at the end: a cut upload has no index
+    _encode(full, "mp4", "aac", 44100, 2.0)
+    with pytest.raises(InvalidAudioError, match="loses its index"):
+        decode_audio_bytes(full.read_bytes()[: int(full.stat().st_size * 0.6)], "x")
+
+
+def test_container_bytes_without_pyav_are_unsupported_format(tmp_path, monkeypatch):
+    path = tmp_path / "a.m4a"
+    _encode(path, "ipod", "aac", 16000, 1.0)
+    monkeypatch.setitem(sys.modules, "av", None)
+    with pytest.raises(UnsupportedFormatError, match=r"^cannot decode up: M4A files are decoded with PyAV.*"
+                                                     r"glmasr\[containers\]") as e:
+        decode_audio_bytes(path.read_bytes(), "up")
+    assert e.value.code == "unsupported_format" and e.value.format == "M4A"
+
+
+def test_truncated_bytes_warn_like_files_or_are_refused(tmp_path):
+    full = _sf_file(tmp_path / "full.flac", 5.94, "FLAC", "PCM_16", 16000)
+    cut = _cut(full, tmp_path / "cut.flac", 0.5)
+    from_file, file_msgs = _load_warned(cut)
+    a, msgs = _warned(decode_audio_bytes, cut.read_bytes(), "cut upload")
+    _assert_same_audio(a, from_file)
+    assert a.truncated and len(msgs) == len(file_msgs) == 1
+    assert msgs[0] == file_msgs[0].replace(str(cut), "cut upload")
+    with pytest.raises(TruncatedAudioError, match=r"^cut upload: truncated audio file: its header declares 5\.94") as e:
+        decode_audio_bytes(cut.read_bytes(), "cut upload", allow_truncated=False)
+    assert e.value.code == "invalid_audio" and e.value.format == "FLAC/PCM_16"
+    wav = _sf_file(tmp_path / "full.wav", 2.0, "WAV", "PCM_16", 16000).read_bytes()
+    with pytest.raises(TruncatedAudioError):  # a cut WAV has the same tell: its data chunk runs past the end
+        decode_audio_bytes(wav[: len(wav) // 2], allow_truncated=False)
+
+
+@pytest.mark.parametrize("name, fmt, subtype, rate", [("a.wav", "WAV", "PCM_16", 8000),
+                                                      ("a.flac", "FLAC", "PCM_16", 16000),
+                                                      ("a.ogg", "OGG", "VORBIS", 16000)])
+def test_too_long_from_the_header_before_decoding(tmp_path, monkeypatch, name, fmt, subtype, rate):
+    data = _sf_file(tmp_path / name, 10.0, fmt, subtype, rate).read_bytes()
+    reads = []
+    monkeypatch.setattr(sf.SoundFile, "read", lambda self, *a, **k: reads.append(1))
+    with pytest.raises(AudioTooLongError, match=rf"^up: the {fmt}/{subtype} audio is 10\.0 s long .*limit of 8 s") \
+            as e:
+        decode_audio_bytes(data, "up", max_duration_s=8)
+    assert not reads  # nothing was decoded
+    err = e.value
+    assert err.code == "audio_too_long" and err.limit_s == 8 and err.decoded_s is None
+    assert err.duration_s == pytest.approx(10.0, abs=0.06)
+
+
+def test_too_long_container_from_its_header(tmp_path):
+    path = tmp_path / "a.m4a"
+    _encode(path, "ipod", "aac", 16000, 6.0)
+    with pytest.raises(AudioTooLongError, match=r"^up: the M4A \(aac\) audio is 6\.0 s long") as e:
+        decode_audio_bytes(path.read_bytes(), "up", max_duration_s=4)
+    assert e.value.decoded_s is None and e.value.format == "M4A (aac)"
+    assert decode_audio_bytes(path.read_bytes(), max_duration_s=6.5).duration_s == pytest.approx(6.0, abs=0.07)
+
+
+def test_mp3_limit_is_enforced_while_decoding(tmp_path, monkeypatch):
+    """MP3's frame count is not trusted (an estimate without a Xing header), so the limit is counted while decoding:
+    the reads stop one frame past it, however long the file is."""
+    rate = 44100
+    data = _sf_file(tmp_path / "long.mp3", 60.0, "MP3", "MPEG_LAYER_III", rate).read_bytes()
+    read_frames = []
+    original = sf.SoundFile.read
+
+    def counting(self, frames=-1, *a, **k):
+        out = original(self, frames, *a, **k)
+        read_frames.append(len(out))
+        return out
+
+    monkeypatch.setattr(sf.SoundFile, "read", counting)
+    with pytest.raises(AudioTooLongError, match=r"longer than the limit of 5 s \(decoding stopped after 5\.00 s") \
+            as e:
+        decode_audio_bytes(data, "long.mp3", max_duration_s=5)
+    assert sum(read_frames) == 5 * rate + 1  # exactly one frame past the limit was read, not the 60 s
+    assert e.value.duration_s is None and e.value.decoded_s == pytest.approx(5.0, abs=1e-4)
+    # just under the limit it decodes, equal to the unlimited decode
+    short = _sf_file(tmp_path / "short.mp3", 3.0, "MP3", "MPEG_LAYER_III", rate).read_bytes()
+    _assert_same_audio(decode_audio_bytes(short, max_duration_s=3.2), decode_audio_bytes(short))
+
+
+def test_adts_limit_is_enforced_while_decoding(tmp_path):
+    """ADTS declares no duration: PyAV's frames are counted and decoding stops at the first past the limit."""
+    path = tmp_path / "long.aac"
+    _encode(path, "adts", "aac", 16000, 30.0)
+    with pytest.raises(AudioTooLongError) as e:
+        decode_audio_bytes(path.read_bytes(), "long.aac", max_duration_s=2)
+    assert e.value.duration_s is None and 2.0 < e.value.decoded_s <= 2.0 + 1024 / 16000
+    assert e.value.format == "AAC (ADTS) (aac)"
+
+
+def test_a_limit_at_the_exact_duration_passes(tmp_path):
+    data = _sf_file(tmp_path / "a.wav", 5.0, "WAV", "PCM_16", 16000).read_bytes()
+    assert decode_audio_bytes(data, max_duration_s=5.0).duration_s == 5.0
+    with pytest.raises(AudioTooLongError):
+        decode_audio_bytes(data, max_duration_s=4.9999)
+
+
+def test_audio_module_does_not_import_the_server():
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(audio_mod))
+    names = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [n for n in names if "server" in n], names

@@ -11,156 +11,30 @@ object is done), a plain one by a watcher on the connection's ``http.disconnect`
 from __future__ import annotations
 
 import asyncio
-import io
 import threading
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
-from ..audio import Audio, AudioError, load_audio
+from ..audio import Audio, AudioDecodeError, AudioError, AudioTooLongError, decode_audio_bytes
 from ..engine.loop import EngineClosed, EngineError
 from ..options import DecodeOptions
 from . import protocol
 from .metrics import Metrics
 from .protocol import APIError, TranscriptionRequest, bad_request
 
-DECODE_BLOCK_S = 10  # seconds of audio decoded per read while the duration limit is checked
-
 
 def decode_upload(data: bytes, filename: str, max_audio_s: float | None) -> Audio:
-    """Upload bytes -> 16 kHz mono ``Audio``: libsndfile detects the format from the bytes; the stream is read in
-    blocks of ``DECODE_BLOCK_S`` and refused as soon as it exceeds ``max_audio_s`` (a header declaring more is
-    refused before anything is decoded). Then ``load_audio`` does what it does for files (mono, resampling,
-    checks). Every problem is a 400 naming the file.
-
-    MP4/M4A/MOV, WebM/Matroska and ADTS AAC (which libsndfile cannot read) are decoded with PyAV when it is
-    installed (the ``containers`` extra; else a 400 saying so), with the same limits: the header's duration
-    first, then frames counted while decoding. The samples equal what ``load_audio`` gives for the same file.
-
-    Truncation: a decode error part-way (a cut FLAC, MP4 or AAC), or a FLAC/MP3 that decodes to less than 90 % of
-    the length its header declares, is refused; a cut WAV, Ogg or WebM has no such tell here (what is there
-    decodes) and is transcribed as the shorter audio it is."""
-    import soundfile as sf
-
-    name = f"file {filename!r}"
-    if not data:
-        raise bad_request(f"{name} is empty (0 bytes)", "file", "empty_file")
-    kind = container_kind(data)
-    if kind is not None:
-        rate, channels, blocks = _decode_container(data, kind, name, max_audio_s)
-        return _to_audio(blocks, rate, channels, name)
+    """Upload bytes -> 16 kHz mono ``Audio`` through the package's decoder (``audio.decode_audio_bytes``: the format
+    from the bytes, the duration limit checked against the header and then while decoding), so an upload gives
+    exactly what ``load_audio`` gives for the same file. A truncated or damaged upload is refused (it was likely
+    cut in transit) rather than transcribed short. Its typed errors become the envelope: ``audio_too_long`` a 413,
+    the rest (empty_file, invalid_audio, unsupported_format) a 400, all with ``param`` "file"."""
     try:
-        f = sf.SoundFile(io.BytesIO(data))
-    except Exception as e:
-        why = str(e).rsplit(">: ", 1)[-1].strip() or type(e).__name__  # libsndfile names the BytesIO object
-        raise bad_request(f"{name} is not audio this server can decode ({why}); send wav, flac, ogg "
-                          f"(vorbis/opus), mp3, or (with PyAV installed) mp4/m4a/webm", "file",
-                          "invalid_audio") from None
-    with f:
-        rate, channels, declared = int(f.samplerate), int(f.channels), int(f.frames)
-        max_frames = None if not max_audio_s else int(max_audio_s * rate)
-        if max_frames is not None and declared > max_frames and f.format not in ("MPEG",):
-            raise _too_long(name, declared / rate, max_audio_s)
-        blocks, total = [], 0
-        try:
-            while True:
-                block = f.read(DECODE_BLOCK_S * rate, dtype="float32", always_2d=True)
-                if not len(block):
-                    break
-                total += len(block)
-                if max_frames is not None and total > max_frames:
-                    raise _too_long(name, None, max_audio_s)
-                blocks.append(block)
-        except APIError:
-            raise
-        except Exception as e:
-            raise bad_request(f"{name} is truncated or corrupt: decoding failed after {total / rate:.2f} s "
-                              f"({type(e).__name__}: {e})", "file", "invalid_audio") from None
-        if f.format in ("FLAC", "MPEG") and declared > 0 and total < 0.9 * declared:
-            raise bad_request(f"{name} is truncated: its header declares {declared / rate:.2f} s but only "
-                              f"{total / rate:.2f} s could be decoded", "file", "invalid_audio")
-    return _to_audio(blocks, rate, channels, name)
-
-
-def _to_audio(blocks: list[np.ndarray], rate: int, channels: int, name: str) -> Audio:
-    """(frames, channels) blocks at the file's rate -> ``load_audio`` (mono, resampling, checks), as for files."""
-    samples = np.concatenate(blocks) if blocks else np.zeros((0, channels), np.float32)
-    if channels == 1:
-        samples = samples[:, 0]
-    try:
-        return load_audio(samples, rate, source=name)
-    except AudioError as e:
-        raise bad_request(str(e), "file", "invalid_audio") from None
-
-
-def container_kind(data: bytes) -> str | None:
-    """MP4/M4A/MOV (``ftyp``), Matroska/WebM (EBML) or ADTS AAC, from the magic bytes: the containers libsndfile
-    cannot read (the OpenAI API accepts mp4, m4a and webm; browsers record webm)."""
-    if data[4:8] == b"ftyp":
-        return "MP4"
-    if data[:4] == b"\x1a\x45\xdf\xa3":
-        return "WebM/Matroska"
-    if len(data) >= 2 and data[0] == 0xFF and (data[1] & 0xF6) == 0xF0:
-        return "AAC (ADTS)"
-    return None
-
-
-def _decode_container(data: bytes, kind: str, name: str, max_audio_s: float | None):
-    """Decode with PyAV (the ``containers`` extra): the header's duration is checked first (MP4 and WebM declare
-    it; ADTS does not), then frames are counted while decoding and the upload refused once past the limit."""
-    try:
-        import av
-    except ImportError:
-        raise bad_request(f"{name} is {kind}, which needs PyAV on the server (pip install 'glmasr[containers]')",
-                          "file", "unsupported_format") from None
-    try:
-        container = av.open(io.BytesIO(data), "r")
-    except Exception as e:
-        raise bad_request(f"{name} looks like {kind} but cannot be opened ({type(e).__name__}: {e})", "file",
-                          "invalid_audio") from None
-    with container:
-        if not container.streams.audio:
-            raise bad_request(f"{name} has no audio stream", "file", "invalid_audio")
-        stream = container.streams.audio[0]
-        if max_audio_s:
-            declared = None
-            if stream.duration and stream.time_base:
-                declared = float(stream.duration * stream.time_base)
-            elif container.duration:
-                declared = container.duration / 1_000_000
-            if declared is not None and declared > max_audio_s and kind != "AAC (ADTS)":
-                raise _too_long(name, declared, max_audio_s)
-        to_float = av.AudioResampler(format="fltp")  # sample format only: same layout and rate
-        blocks, rate, channels, total = [], None, None, 0
-        try:
-            for frame in container.decode(stream):
-                for fr in to_float.resample(frame):
-                    a = fr.to_ndarray()  # (channels, frames)
-                    if rate is None:
-                        rate, channels = int(fr.sample_rate), a.shape[0]
-                    elif int(fr.sample_rate) != rate or a.shape[0] != channels:
-                        raise bad_request(f"{name}: the audio stream changes its rate or channels part-way",
-                                          "file", "invalid_audio")
-                    total += a.shape[1]
-                    if max_audio_s and total > max_audio_s * rate:
-                        raise _too_long(name, None, max_audio_s)
-                    blocks.append(np.ascontiguousarray(a.T))
-        except APIError:
-            raise
-        except Exception as e:
-            raise bad_request(f"{name} is truncated or corrupt: decoding failed after "
-                              f"{total / (rate or 1):.2f} s ({type(e).__name__}: {e})", "file",
-                              "invalid_audio") from None
-    if rate is None:
-        raise bad_request(f"{name}: no audio could be decoded", "file", "invalid_audio")
-    return rate, channels, blocks
-
-
-def _too_long(name: str, seconds: float | None, limit: float) -> APIError:
-    what = f"{seconds:.1f} s long" if seconds is not None else f"longer than {limit:g} s"
-    return APIError(413, f"{name} is {what}; this server accepts at most {limit:g} s of audio per request "
-                         f"(--max-audio-s)", param="file", code="audio_too_long")
+        return decode_audio_bytes(data, f"file {filename!r}", max_audio_s or None, allow_truncated=False)
+    except AudioTooLongError as e:
+        raise APIError(413, f"{e} (the server's --max-audio-s)", param="file", code=e.code) from None
+    except AudioDecodeError as e:
+        raise bad_request(str(e), "file", e.code) from None
 
 
 def vad_pieces(audio: Audio, params: dict) -> list[tuple[float, float]]:
