@@ -9,9 +9,7 @@ transformers.WhisperFeatureExtractor, int16 input, bf16 output, poisoned outputs
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
-import time
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
@@ -444,15 +442,18 @@ def test_torch_compile_fullgraph():
 
 
 @needs_cuda
-def test_warm_load_fast(tmp_path, monkeypatch):
+def test_warm_load_does_not_compile(monkeypatch):
+    """A cached cubin is loaded without NVRTC: the compiler is replaced by one that fails, and loading the
+    module still works (its speed is measured by the benchmarks, not asserted here)."""
     from glmasr_kernels.logmel import _build, _runtime
 
     cfg = _whisper_cfg(sm=_runtime._device_sm(torch.cuda.current_device()))
     _build.get_cubin(cfg)  # ensure cached
-    t = time.perf_counter()
+
+    def no_compile(*a, **k):
+        raise AssertionError("NVRTC ran although the cubin was cached")
+
+    monkeypatch.setattr(_build, "nvrtc_compile", no_compile)
     cubin = _build.get_cubin(cfg)
     mod = _runtime._Module(cfg, torch.cuda.current_device())
-    dt = time.perf_counter() - t
     assert len(cubin) > 0 and mod.tf == 32
-    assert dt < 0.05, f"warm load took {dt * 1e3:.1f} ms"
-    assert math.isfinite(dt)
