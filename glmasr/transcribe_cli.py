@@ -4,6 +4,10 @@ Folders are searched recursively for audio files. Files are decoded on a few thr
 the ones before them; each file's outputs are written as soon as it is done. A file that cannot be read or
 transcribed is reported on stderr and skipped; the others are still written, and the exit status is 1. A file
 whose outputs all exist already is skipped unless ``--overwrite``. Progress is shown over seconds of audio.
+
+``--devices cuda:0,cuda:1`` (or ``cpu,cpu``) runs one engine process per device (``glmasr.parallel``): files go
+to whichever worker has room, outputs are written as each file finishes, and the files of a worker that dies are
+retried on another (``--retries``), a file that kills every worker it meets being reported failed.
 """
 
 from __future__ import annotations
@@ -69,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", "-o", default=None, help="where to write (default: next to each audio file)")
     p.add_argument("--model", default=None, help="checkpoint folder, hub id or 'tiny-random' (see `glmasr --help`)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--devices", default=None, metavar="LIST",
+                   help="comma-separated devices, one engine process each (e.g. cuda:0,cuda:1; a device may "
+                        "repeat; cpu,cpu splits the cores): files go to whichever has room")
+    p.add_argument("--retries", type=int, default=2, metavar="N",
+                   help="with --devices: times a file is retried after its worker died (default: 2)")
+    p.add_argument("--file-timeout", type=float, default=None, metavar="S",
+                   help="with --devices: kill a worker holding one file longer than S seconds (then as a crash)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--segmentation", choices=("vad", "windows"), default="vad",
                    help="vad (default): speech regions in <= 30 s pieces, each a segment with its own times; "
@@ -111,10 +122,20 @@ def main(argv: list[str] | None = None) -> int:
                                       max_new_tokens=args.max_new_tokens, repetition_stop=args.repetition_stop,
                                       segmentation=args.segmentation)
         options = {"max_batch": args.max_batch} if args.max_batch else {}
-        asr = glmasr.load(_pick_model(args.model), device=args.device, dtype=args.dtype, **options)
+        if args.devices is not None:
+            if args.device is not None:
+                raise ValueError("give --device or --devices, not both")
+            from .parallel import DevicePool
+
+            pool = DevicePool(args.devices, model=_pick_model(args.model), dtype=args.dtype, decode=decode,
+                              retries=args.retries, file_timeout_s=args.file_timeout, **options)
+        else:
+            asr = glmasr.load(_pick_model(args.model), device=args.device, dtype=args.dtype, **options)
     except (glmasr.CheckpointError, glmasr.ConfigError, glmasr.TokenizerError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.devices is not None:
+        return _run_parallel(pool, args, todo, render, problems)
     failed = 0
     t0 = time.perf_counter()
     bar = _Progress(sum(_duration(f) for f, _ in todo), args.quiet)
@@ -138,10 +159,40 @@ def main(argv: list[str] | None = None) -> int:
         for job in jobs:
             failed += _finish(job, render, bar)
     bar.close()
-    print(f"{len(todo) - failed} of {len(todo)} file(s) transcribed, {bar.seconds:.1f} s of audio in "
-          f"{time.perf_counter() - t0:.1f} s" + (f"; {failed} failed" if failed else ""), file=sys.stderr)
+    _summary(len(todo), failed, bar, t0)
     asr.close()
     return 1 if failed or problems else 0
+
+
+def _run_parallel(pool, args, todo, render, problems) -> int:
+    """--devices: one engine process per device (glmasr.parallel.DevicePool), outputs written as results come."""
+    from .parallel import WorkerStartError
+
+    failed = 0
+    t0 = time.perf_counter()
+    bar = _Progress(sum(_duration(f) for f, _ in todo), args.quiet)
+    try:
+        for fr in pool.run([f for f, _ in todo]):
+            f, outs = todo[fr.index]
+            if fr.ok:
+                failed += _write(f, outs, fr.result, render, bar)
+            else:
+                failed += 1
+                print(f"error: {f}: {fr.error}", file=sys.stderr)
+    except WorkerStartError as e:
+        bar.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        pool.close()
+    bar.close()
+    _summary(len(todo), failed, bar, t0)
+    return 1 if failed or problems else 0
+
+
+def _summary(total: int, failed: int, bar, t0: float) -> None:
+    print(f"{total - failed} of {total} file(s) transcribed, {bar.seconds:.1f} s of audio in "
+          f"{time.perf_counter() - t0:.1f} s" + (f"; {failed} failed" if failed else ""), file=sys.stderr)
 
 
 def _duration(path: Path) -> float:
@@ -158,6 +209,14 @@ def _finish(item, render, bar) -> int:
     f, outs, job = item
     try:
         r = job.result()
+    except Exception as e:  # noqa: BLE001
+        print(f"error: {f}: {e}", file=sys.stderr)
+        return 1
+    return _write(f, outs, r, render, bar)
+
+
+def _write(f, outs, r, render, bar) -> int:
+    try:
         for fmt, path in outs.items():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(render(r, fmt), encoding="utf-8")
