@@ -81,7 +81,7 @@ def _submit_all(asr: GlmAsr, audio, decode: DecodeOptions, sampling_rate, max_ba
 
 def transcribe(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new_tokens: int | None = None,
                sampling_rate: int | None = None, device=None, ignore_eos: bool = False, max_batch: int | None = None,
-               repetition_stop: int | None = None):
+               repetition_stop: int | None = None, segmentation: str = "windows"):
     """Transcribe one audio input or a list of them.
 
     audio: a file path, a numpy array or a torch tensor (then ``sampling_rate`` is required), or a list of
@@ -89,10 +89,13 @@ def transcribe(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new
     instruction. max_new_tokens: token budget per prompt (default grows with duration). ignore_eos: decode
     exactly max_new_tokens tokens (benchmarking). max_batch: sequence slots of the shared engine (changing it
     rebuilds the engine once the requests in hand are done). repetition_stop: opt-in runaway guard (see
-    ``DecodeOptions``). Thread-safe: calls from many threads share the model's engine. Returns a
+    ``DecodeOptions``). segmentation: "windows" (30 s windows grouped as the reference processor groups them:
+    token-exact with transformers, the default here) or "vad" (speech regions cut at silences into pieces of at
+    most 30 s, decoded in parallel, each a segment with its own times: for long recordings and subtitles; the
+    CLI's default). Thread-safe: calls from many threads share the model's engine. Returns a
     ``Transcription`` or a list of them, in input order.
     """
-    decode = DecodeOptions(prompt, max_new_tokens, ignore_eos, repetition_stop)  # checked before loading
+    decode = DecodeOptions(prompt, max_new_tokens, ignore_eos, repetition_stop, segmentation)  # checked before loading
     asr = _model_for(model, device)
     jobs, batched = _submit_all(asr, audio, decode, sampling_rate, max_batch)
     try:
@@ -105,12 +108,13 @@ def transcribe(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new
 
 def transcribe_stream(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new_tokens: int | None = None,
                       sampling_rate: int | None = None, device=None, max_batch: int | None = None,
-                      repetition_stop: int | None = None) -> Iterator[TranscriptDelta]:
+                      repetition_stop: int | None = None, segmentation: str = "windows"
+                      ) -> Iterator[TranscriptDelta]:
     """Like ``transcribe``, but yields ``TranscriptDelta``s as text is produced (every few decode steps): for a
     list, deltas of different inputs interleave (``.index`` says which); each input's last delta has
     ``finished=True`` and the complete ``Transcription`` in ``.result``. Closing the iterator early aborts the
     requests still running."""
-    decode = DecodeOptions(prompt, max_new_tokens, repetition_stop=repetition_stop)
+    decode = DecodeOptions(prompt, max_new_tokens, repetition_stop=repetition_stop, segmentation=segmentation)
     asr = _model_for(model, device)
     jobs, _ = _submit_all(asr, audio, decode, sampling_rate, max_batch)
     return _merge(jobs)
