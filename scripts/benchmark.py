@@ -1,7 +1,7 @@
 """Latency and throughput of our engine against transformers, in one process, on one GPU (the H200).
 
-    bash benchmark.sh [--only latency,decode,encoder,throughput,coldstart,breakdown] [--quick] [--no-peers]
-                      [--no-compiled-peer] [--out DIR]
+    bash benchmark.sh [--only latency,decode,encoder,throughput,coldstart,breakdown,serve,longform] [--quick]
+                      [--no-peers] [--no-compiled-peer] [--out DIR]
 
 Every section runs ours and the peers on the same full-size GLM-ASR checkpoint with random bf16 weights
 (built on the GPU once: timing does not depend on weight values; token counts are forced with ignore_eos /
@@ -28,7 +28,10 @@ import glmasr  # noqa: E402
 from glmasr.engine.engine import Engine  # noqa: E402
 from glmasr.random_checkpoint import ensure_full_size_checkpoint  # noqa: E402
 
-SECTIONS = ("latency", "decode", "encoder", "throughput", "breakdown", "coldstart")
+SECTIONS = ("latency", "decode", "encoder", "throughput", "breakdown", "coldstart", "serve", "longform")
+# serve (the server under load, scripts/bench/serve_load.py, ~4 min) and longform (an hour of mp3 to SRT,
+# scripts/bench/longform.py, ~1-2 min) run when asked for (--only): with them the whole run passes one device call.
+DEFAULT_SECTIONS = ("latency", "decode", "encoder", "throughput", "breakdown", "coldstart")
 # --smoke: every section at toy sizes on the tiny random checkpoint, on the CPU (Triton interpreter) or a GPU,
 # so the script itself is tested without spending GPU time (tests/test_benchmark_script.py).
 DEV = "cuda"
@@ -554,9 +557,31 @@ def section_coldstart(folder: Path):
             "cases": cases, "table": table}
 
 
+def section_serve(asr, folder: Path, quick: bool, out: Path):
+    """glmasr serve in its own process under 1-256 concurrent openai clients, beside offline on the same clips."""
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    import serve_load
+
+    if SMOKE:
+        return serve_load.run(asr, folder, levels=(1, 2), seconds=2.0, num_clips=2, device=DEV, grace=120.0,
+                              out_dir=out)
+    levels = (1, 8, 64) if quick else (1, 8, 64, 256)
+    return serve_load.run(asr, folder, levels=levels, seconds=10.0 if quick else 30.0, device=DEV, out_dir=out)
+
+
+def section_longform(asr, quick: bool, out: Path):
+    """An hour of 44.1 kHz stereo mp3 to SRT in both segmentations, and each stage alone."""
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    import longform
+
+    minutes = 0.5 if SMOKE else (10.0 if quick else 60.0)
+    return longform.run(asr, minutes=minutes)  # the SRTs go to a temporary folder: only their sizes are kept
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    ap.add_argument("--only", default=",".join(DEFAULT_SECTIONS),
+                    help=f"comma-separated subset of {SECTIONS} (default: {','.join(DEFAULT_SECTIONS)})")
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run of every section)")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers")
     ap.add_argument("--compiled-peer", dest="compiled_peer", action="store_true", default=True,
@@ -607,7 +632,9 @@ def main():
                 "encoder": lambda: section_encoder(asr, peers, peaks, args.quick),
                 "throughput": lambda: section_throughput(asr, peers, args.quick),
                 "coldstart": lambda: section_coldstart(folder),
-                "breakdown": lambda: section_breakdown(asr, peaks)}
+                "breakdown": lambda: section_breakdown(asr, peaks),
+                "serve": lambda: section_serve(asr, folder, args.quick, out),
+                "longform": lambda: section_longform(asr, args.quick, out)}
     for name in SECTIONS:
         if name in only:
             t = time.perf_counter()
