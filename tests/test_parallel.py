@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 import soundfile as sf
 
 import glmasr
@@ -204,3 +205,32 @@ def test_cli_devices(tiny_shipped, files, reference, tmp_path, capsys):
     rc = cli.main(["transcribe", str(tmp_path / "in"), "--devices", "cpu", "--overwrite",
                    "--model", str(tmp_path / "no-such-model")])
     assert rc == 2 and "no-such-model" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device)")
+def test_two_workers_sharing_one_gpu_equal_one_process(tiny_shipped, files, tmp_path):
+    """On the GPU: two engine processes on cuda:0 give each file exactly what one in-process CUDA engine gives
+    (tokens, text, times), and a worker killed on the GPU has its files retried and restarts. fp32 on both
+    sides: in bf16 another batch beside a file may round its logits differently (a different GEMM shape)."""
+    import shutil
+
+    _, paths = files
+    asr = glmasr.load(tiny_shipped, device="cuda", dtype="float32")
+    want = {str(p): glmasr.transcribe(str(p), model=asr, max_new_tokens=TOKENS) for p in paths}
+    asr.close()
+    out = _bounded(lambda: transcribe_files(paths, devices="cuda:0,cuda:0", model=tiny_shipped,
+                                            dtype="float32", max_new_tokens=TOKENS, in_flight=2))
+    assert {r.worker for r in out} == {0, 1}, "both workers should have had files"
+    for r in out:
+        assert r.ok and r.device == "cuda:0", r
+        _same(r.result, want[r.path])
+    poison = tmp_path / "poison.wav"
+    shutil.copy(paths[0], poison)
+    out = _bounded(lambda: transcribe_files([paths[0], poison, paths[2]], devices="cuda:0,cuda:0",
+                                            model=tiny_shipped, dtype="float32", max_new_tokens=TOKENS,
+                                            in_flight=2, retries=1,
+                                            _test_hooks={"crash_on": "poison"}))
+    assert not out[1].ok and "died" in out[1].error
+    for r in (out[0], out[2]):
+        assert r.ok, r
+        _same(r.result, want[r.path])
