@@ -19,8 +19,8 @@
 #                          ARGS: tunes the decode GEMV configs (OUT/skinny_configs.py) (the rest, ~350)
 # trace                    latency_trace.py --out OUT/trace: the 3.5 s / 13-token case profiled (~555)
 # logmel [ARGS]            logmel_breakdown.py (150), bench_logmel.py ARGS (240), one ncu pass if >= 80 s are left
-# all [BENCH-ARGS]         tests (${ALL_TESTS_S:-200}, prewarm included), then bash benchmark.sh BENCH-ARGS with the
-#                          rest (~345)
+# all [BENCH-ARGS]         tests (${ALL_TESTS_S:-200}, prewarm included; ALL_TESTS_ARGS="FILES -k ..." replaces the
+#                          selection), then bash benchmark.sh BENCH-ARGS with the rest (~345)
 #
 # Every step runs under `timeout -s INT -k 15 BUDGET` (clamped to what is left of DEVICE_DEADLINE_S=580 less a
 # 25 s reserve), its whole output goes to OUT/<step>.log (benchmark JSON under OUT/bench or OUT/coldstart), and a
@@ -156,7 +156,8 @@ case $MODE in
                 python3 -c "import torch; from glmasr_kernels.logmel import whisper_features as w; x=torch.randn(128,480000,device='cuda')*0.1; w(x); w(x); torch.cuda.synchronize()"
         fi ;;
     all)
-        run_tests "${ALL_TESTS_S:-200}"
+        # shellcheck disable=SC2086 # ALL_TESTS_ARGS: pytest arguments (files, -k), split on spaces
+        run_tests "${ALL_TESTS_S:-200}" ${ALL_TESTS_ARGS:-}
         FILTER=$BENCH_FILTER step bench 600 bench.log bash benchmark.sh --out "$OUT/bench" "$@" ;;
 esac
 
