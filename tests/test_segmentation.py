@@ -61,6 +61,15 @@ def test_vad_segmentation_finds_the_speech(tiny_asr, tmp_path):
         alone = glmasr.transcribe(audio[int(round(s.start * 16000)): int(round(s.end * 16000))], model=tiny_asr,
                                   sampling_rate=16000, max_new_tokens=5)
         assert s.token_ids == alone.token_ids
+    # the same through the public function, streamed or not
+    via_api = glmasr.transcribe(audio, model=tiny_asr, sampling_rate=16000, max_new_tokens=5, segmentation="vad")
+    assert [(s.start, s.end, s.token_ids) for s in via_api.segments] == [(s.start, s.end, s.token_ids)
+                                                                          for s in r.segments]
+    last = list(glmasr.transcribe_stream(audio, model=tiny_asr, sampling_rate=16000, max_new_tokens=5,
+                                         segmentation="vad"))[-1]
+    assert last.finished and last.result.token_ids == r.token_ids
+    with pytest.raises(ValueError, match="segmentation"):
+        glmasr.transcribe(audio, model=tiny_asr, sampling_rate=16000, segmentation="silence")
 
 
 def test_truncated_file_is_flagged_on_the_result(tiny_asr, tmp_path):
