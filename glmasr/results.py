@@ -17,6 +17,9 @@ class Segment:
     token_ids: list[int]
     finish_reason: str  # "stop" | "length" | "repetition"
     compression_ratio: float = 0.0  # text bytes / zlib-compressed bytes: high (> ~2.4) for runaway text
+    # mean natural-log probability of token_ids, each under its greedy step's softmax over the whole vocabulary
+    # (the stop token that ended the segment is not in token_ids and not counted); 0.0 for a segment with no token
+    avg_logprob: float = 0.0
 
 
 @dataclass

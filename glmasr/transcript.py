@@ -5,6 +5,11 @@ stripped, joined with a space. So a group's text is streamed once every group be
 then it is detokenized and held back); leading whitespace of a group and trailing whitespace not yet followed
 by more text are held back too. The final text is decoded once, exactly, from all tokens; the deltas add up
 to it (the last delta carries whatever the incremental detokenizer had not emitted yet).
+
+Each group's token log-probabilities (``SequenceOutput.logprobs``, one per generated token) are summed as they
+arrive; its segment's ``avg_logprob`` is their mean over the segment's ``token_ids``. The stop token (the eos id
+that ended the group) is the one token left out: it is neither in ``token_ids`` nor in the text. A group with no
+token gets 0.0.
 """
 
 from __future__ import annotations
@@ -31,6 +36,12 @@ class _GroupText:
         self.joined = False  # its first piece went out (after a space, if text came before it)
         self.held_space = ""
         self.pending: list[str] = []  # released text not yet emitted (an earlier group is unfinished)
+        self.logprob_sum = 0.0  # of its tokens' log-probabilities
+        self.logprob_count = 0
+
+    @property
+    def avg_logprob(self) -> float:
+        return self.logprob_sum / self.logprob_count if self.logprob_count else 0.0
 
     def release(self, piece: str) -> None:
         if not self.started:
@@ -74,6 +85,8 @@ class TranscriptAssembler:
                 g.release(g.detok.push(out.tokens))
             else:
                 g.detok.ids += out.tokens
+            g.logprob_sum += sum(out.logprobs)
+            g.logprob_count += len(out.logprobs)
         if out.finish_reason is not None:
             g.finish_reason = out.finish_reason
         text = self._drain() if stream else ""
@@ -102,7 +115,7 @@ class TranscriptAssembler:
     def _finish(self, last: str, engine_timing: dict) -> TranscriptDelta:
         texts = [self.prompts.decode(g.detok.ids).strip() for g in self.groups]
         segments = [Segment(i, p.start_s, p.start_s + p.seconds, t, list(g.detok.ids), g.finish_reason or "stop",
-                            compression_ratio(t))
+                            compression_ratio(t), g.avg_logprob)
                     for i, (p, g, t) in enumerate(zip(self.plans, self.groups, texts))]
         text = " ".join(t for t in texts if t)
         emitted = "".join(self._emitted)

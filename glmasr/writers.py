@@ -4,7 +4,8 @@
 - srt: numbered cues from 1, ``HH:MM:SS,mmm --> HH:MM:SS,mmm`` (hours always), the text, a blank line after each.
 - vtt: ``WEBVTT``, a blank line, then cues ``[HH:]MM:SS.mmm --> [HH:]MM:SS.mmm`` (hours only when non-zero).
 - tsv: a header ``start	end	text``, then one line per segment, times in integer milliseconds.
-- json: the text, duration, finish reason and the segments (id, start, end, text, tokens, finish_reason).
+- json: the text, duration, finish reason and the segments (id, start, end, text, tokens, finish_reason,
+  compression_ratio, avg_logprob: the mean log-probability of the segment's tokens, ``Segment.avg_logprob``).
 
 In srt and vtt a ``-->`` inside the text becomes ``->`` (it would end the timing line of a cue), and segments with
 no text get no cue. Times are rounded to the millisecond. Segment times are what the result has: today one
@@ -64,7 +65,8 @@ def to_json(result: Transcription) -> str:
     return json.dumps({
         "text": result.text, "duration": result.duration_s, "finish_reason": result.finish_reason,
         "segments": [{"id": s.id, "start": s.start, "end": s.end, "text": s.text, "tokens": s.token_ids,
-                      "finish_reason": s.finish_reason, "compression_ratio": s.compression_ratio}
+                      "finish_reason": s.finish_reason, "compression_ratio": s.compression_ratio,
+                      "avg_logprob": s.avg_logprob}
                      for s in result.segments],
     }, ensure_ascii=False, indent=2) + "\n"
 

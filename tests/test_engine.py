@@ -1,4 +1,5 @@
-"""The continuous-batching engine equals the plain reference loop, token for token."""
+"""The continuous-batching engine equals the plain reference loop, token for token, and reports the same
+log-probability for each token (within LOGPROB_TOL)."""
 
 import json
 import os
@@ -32,12 +33,37 @@ def same(a, b):
            [(r.token_ids, r.finish_reason, r.stop_token_id) for r in b]
 
 
+# Engine vs reference loop, fp32: the same logits computed in other batch compositions (other padding, batch
+# GEMM shapes, KV-length buckets; on the Triton path other kernels) differ by fp32 rounding, ~1e-6 of the largest
+# logit (~11 on the tiny checkpoint); a log-softmax entry moves by at most twice the largest logit change.
+# Observed <= 2e-5; 1e-4 is ~1e-5 of the largest logit, the bound the logits tests use.
+LOGPROB_TOL = 1e-4
+
+
+def close_logprobs(got, ref, tol=LOGPROB_TOL):
+    """One log-probability per generated token (the stop token has none), each within ``tol`` of the reference,
+    all finite and <= 0."""
+    for g, r in zip(got, ref, strict=True):
+        assert len(g.logprobs) == len(g.token_ids) == len(r.logprobs)
+        assert all(lp <= 0.0 and lp == lp for lp in g.logprobs), g.logprobs
+        diff = max((abs(a - b) for a, b in zip(g.logprobs, r.logprobs)), default=0.0)
+        assert diff <= tol, f"log-probs differ by {diff:.2e}"
+
+
+def poisoned_engine(model, **options):
+    """An engine whose log-prob buffer is NaN from the start: a value the step did not write shows up."""
+    engine = Engine(model, **options)
+    engine.runner.out_logprob.fill_(float("nan"))
+    return engine
+
+
 @pytest.mark.parametrize("max_batch, sync_every", [(3, 8), (2, 5), (8, 1), (1, 3), (7, 64)])
 def test_engine_equals_reference_loop_with_refills(tiny_asr, max_batch, sync_every):
     reqs = requests_for(tiny_asr)
     ref = greedy_generate(tiny_asr.model, reqs, tiny_asr.config.text.eos_token_ids)
-    got = Engine(tiny_asr.model, max_batch=max_batch, sync_every=sync_every).generate(reqs)
+    got = poisoned_engine(tiny_asr.model, max_batch=max_batch, sync_every=sync_every).generate(reqs)
     assert same(got, ref)
+    close_logprobs(got, ref)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +88,9 @@ def test_engine_stops_like_the_reference_and_reports_the_stop_token(eos_asr):
     reqs = requests_for(eos_asr)
     ref = greedy_generate(eos_asr.model, reqs, eos_asr.config.text.eos_token_ids)
     assert any(r.finish_reason == "stop" for r in ref) and any(r.finish_reason == "length" for r in ref)
-    got = Engine(eos_asr.model, max_batch=3, sync_every=4).generate(reqs)
+    got = poisoned_engine(eos_asr.model, max_batch=3, sync_every=4).generate(reqs)
     assert same(got, ref)
+    close_logprobs(got, ref)  # one per token_ids entry: the stop token's is not reported
     assert all(r.stop_token_id in eos_asr.config.text.eos_token_ids for r in got if r.finish_reason == "stop")
     forced = Engine(eos_asr.model, max_batch=3).generate(reqs, ignore_eos=True)
     assert [len(r.token_ids) for r in forced] == list(BUDGETS)
@@ -124,6 +151,7 @@ def test_kv_capacity_grows_with_a_longer_request(tiny_asr):
     start = engine.runner.capacity
     got = engine.generate(reqs)
     assert same(got, ref)
+    close_logprobs(got, ref)
     assert engine.runner.capacity > start
 
 
@@ -137,15 +165,22 @@ def test_engine_on_the_triton_path(tiny_shipped):
     fast = FastGlmAsrModel(glmasr.load(tiny_shipped, device=dev, dtype="float32", backend="torch").model)
     reqs = requests_for(ref, budgets=(6, 4, 3, 5, 6, 2, 4))
     expected = greedy_generate(ref.model, reqs, ref.config.text.eos_token_ids)
-    got = Engine(fast, max_batch=3, sync_every=3, cuda_graphs=False).generate(reqs)
+    eager = poisoned_engine(fast, max_batch=3, sync_every=3, cuda_graphs=False)
+    assert eager.runner.fused_commit, "decode steps go through the greedy_commit kernel"
+    got = eager.generate(reqs)
     assert same(got, expected)
+    close_logprobs(got, expected)  # the kernel's fused log-sum-exp vs log_softmax in the reference loop
     if torch.cuda.is_available():  # the same with every decode step replayed from a CUDA graph
-        graphed = Engine(fast, max_batch=3, sync_every=3, cuda_graphs=True, prefill_graphs=False)
-        assert same(graphed.generate(reqs), expected)
+        graphed = poisoned_engine(fast, max_batch=3, sync_every=3, cuda_graphs=True, prefill_graphs=False)
+        got = graphed.generate(reqs)
+        assert same(got, expected)
+        close_logprobs(got, expected)  # log-probs come out of graph replay (the buffer started NaN)
         assert graphed.runner.graphs, "decode steps were captured"
         # single-request prefills replayed from graphs (max_batch=1 admits one request per round)
-        prefill_graphed = Engine(fast, max_batch=1, sync_every=3, cuda_graphs=True, prefill_graphs=True)
-        assert same(prefill_graphed.generate(reqs), expected)
+        prefill_graphed = poisoned_engine(fast, max_batch=1, sync_every=3, cuda_graphs=True, prefill_graphs=True)
+        got = prefill_graphed.generate(reqs)
+        assert same(got, expected)
+        close_logprobs(got, expected)
         assert prefill_graphed.runner._prefill_graphs, "prefills were captured"
 
 
@@ -162,7 +197,26 @@ def test_engine_with_skinny_decode_gemms(tiny_shipped):
                            decode_gemm="skinny")
     reqs = requests_for(ref, budgets=(5, 4, 3, 5, 2, 2, 4))
     expected = greedy_generate(ref.model, reqs, ref.config.text.eos_token_ids)
-    got = Engine(fast, max_batch=4, sync_every=3, cuda_graphs=torch.cuda.is_available()).generate(reqs)
+    got = poisoned_engine(fast, max_batch=4, sync_every=3, cuda_graphs=torch.cuda.is_available()).generate(reqs)
     assert same(got, expected)
+    close_logprobs(got, expected)
     with pytest.raises(ValueError, match="decode_gemm"):
         FastGlmAsrModel(ref.model, decode_gemm="cutlass")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs, bf16 Triton path)")
+def test_bf16_graph_replay_log_probs_equal_eager_steps(tiny_shipped):
+    """The default GPU path (bf16, Triton kernels, skinny GEMVs, PDL): decode steps replayed from CUDA graphs
+    give the tokens and log-probabilities of the same steps launched eagerly, exactly (same kernels on the same
+    inputs in the same buckets; a graph only removes the launches). Prefill graphs are off on both sides: their
+    right-padded bucket shapes may pick other cuBLAS kernels than an eager prefill."""
+    asr = glmasr.load(tiny_shipped, device="cuda")
+    assert asr.model.uses_triton and asr.dtype == torch.bfloat16
+    reqs = requests_for(asr, budgets=(12, 20, 5, 17, 20, 9, 12))
+    eager = poisoned_engine(asr.model, max_batch=4, sync_every=5, cuda_graphs=False).generate(reqs)
+    graphed_engine = poisoned_engine(asr.model, max_batch=4, sync_every=5, cuda_graphs=True, prefill_graphs=False)
+    graphed = graphed_engine.generate(reqs)
+    assert graphed_engine.runner.graphs
+    assert same(graphed, eager)
+    assert [r.logprobs for r in graphed] == [r.logprobs for r in eager]
+    close_logprobs(graphed, eager, tol=0.0)

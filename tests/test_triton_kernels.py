@@ -15,6 +15,7 @@ Tolerances (elementwise, torch.testing.assert_close):
   (RMSNorm: y rounded, then w*y rounded; SwiGLU; RoPE) can then differ by 2 ulps = up to 2**-6 = 1.6e-2
   relative, and Triton's CPU interpreter truncates fp32->bf16 instead of rounding to nearest (another
   <= 1 ulp). On the GPU the bf16 results are mostly bit-identical (checked in the real-shape tests).
+* greedy_commit's chosen-token log-probability (fp32 math for any logits dtype): rtol=atol=1e-5, at LOGPROB_TOL.
 * decode attention bf16: same tolerance: P is rounded to bf16 for the P@V product (as in flash attention) while
   the reference keeps P in fp32; the error averages over the length, well under one output ulp in bf16.
 """
@@ -293,10 +294,12 @@ def test_choose_num_splits():
     assert choose_num_splits(256, 4, 4096, 132) == 1
 
 
-def _commit_state(b, seed):
+def _commit_state(b, seed, lp_dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     st = dict(eos_ids=torch.tensor([3, 7, 11]), ignore_eos=torch.rand(b + 2, generator=g) < 0.3,
-              out=torch.randint(-1, 50, (b + 2, 8), generator=g), step_index=torch.tensor([5]),
+              out=torch.randint(-1, 50, (b + 2, 8), generator=g),
+              out_logprob=torch.full((b + 2, 8), float("nan"), dtype=lp_dtype),  # poisoned: unwritten shows
+              step_index=torch.tensor([5]),
               remaining=torch.randint(0, 4, (b + 2,), generator=g),
               status=torch.randint(0, 3, (b + 2,), generator=g),
               stop_token=torch.randint(-1, 50, (b + 2,), generator=g), active=torch.rand(b + 2, generator=g) < 0.7,
@@ -305,11 +308,28 @@ def _commit_state(b, seed):
     return {k: v.to(DEV) for k, v in st.items()}
 
 
+# The chosen token's log-probability: both sides compute log_softmax over the fp32 values of the row (bf16
+# logits are cast exactly), so the only differences are the order of the sum S of exp(x - max) (the kernel: a
+# few dozen terms per lane, then a tree over the lanes; torch: its own vectorised order) and the exp
+# implementation; logp = -log(S) then differs by about the relative error of S, in absolute terms. Measured
+# against fp64: the kernel <= 3e-7 at V = 59264 (interpreter); torch's CPU log_softmax (long sequential lane
+# sums) up to 9e-6 there, ~5e-7 at the V <= 3001 tested here. So fp32 rtol = atol = 1e-5, and each side is also
+# held to the fp64 value at the same tolerance.
+LOGPROB_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _check_logprobs(ours, ref):
+    """The whole buffers: NaN where the reference has NaN (poison left in place, an all -inf row), else close."""
+    assert torch.equal(torch.isnan(ours), torch.isnan(ref)), "written elements differ (unwritten or extra write)"
+    torch.testing.assert_close(ours, ref, equal_nan=True, **LOGPROB_TOL)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_commit_matches_torch(dtype):
-    """argmax + stop bookkeeping in one kernel == torch argmax + the engine's commit_tokens, on random state:
-    eos picks (some ignored), budgets running out, masked slots, a tie (first index wins), an all -inf row,
-    the maximum in the ragged last tile; slots >= b untouched."""
+    """argmax + its log-prob + stop bookkeeping in one kernel == torch argmax / log_softmax gather + the engine's
+    commit_tokens, on random state: eos picks (some ignored), budgets running out, masked slots, a tie (first
+    index wins), an all -inf row (token 0, log-prob NaN as in torch), the maximum in the ragged last tile;
+    slots >= b untouched."""
     b, v = 9, 2500
     logits = randn(b, v, dtype=dtype, seed=171)
     logits[0, 7] = 50.0                           # eos
@@ -324,14 +344,55 @@ def test_greedy_commit_matches_torch(dtype):
     for seed in (1, 2):
         ours, ref = _commit_state(b, seed), _commit_state(b, seed)
         greedy_commit(logits, mask[:b], **ours)
-        picks = greedy_commit_ref(logits, mask[:b], **ref)
+        picks, logps = greedy_commit_ref(logits, mask[:b], **ref)
         assert picks[:5].tolist() == [7, 11, 40, 0, v - 1]
+        assert math.isnan(logps[3].item())
         for name in ours:
-            assert torch.equal(ours[name], ref[name]), name
+            if name != "out_logprob":
+                assert torch.equal(ours[name], ref[name]), name
+        _check_logprobs(ours["out_logprob"], ref["out_logprob"])
+        col = ours["out_logprob"][:b, 5]
+        appended = ours["out"][:b, 5] >= 0
+        assert (col[~appended] == 0).all() and torch.isnan(ours["out_logprob"][b:]).all()
     with pytest.raises(ValueError, match="remaining"):
         bad = _commit_state(b, 3)
         bad["remaining"] = bad["remaining"].int()
         greedy_commit(logits, mask[:b], **bad)
+    with pytest.raises(ValueError, match="out_logprob"):
+        bad = _commit_state(b, 3)
+        bad["out_logprob"] = bad["out_logprob"].half()
+        greedy_commit(logits, mask[:b], **bad)
+
+
+@pytest.mark.parametrize("v", [1, 5, 264, 1023, 1024, 1025, 2049, 3001, 4097, 8191])
+@pytest.mark.parametrize("dtype, lp_dtype", [(torch.float32, torch.float64), (torch.bfloat16, torch.float64),
+                                             (torch.float32, torch.float32)])
+def test_greedy_commit_logprob_equals_log_softmax(v, dtype, lp_dtype):
+    """Every slot appends (ignore_eos, budgets left), so the written column is exactly the log-softmax of each
+    row at its argmax: vocabularies below, at and across the 1024-wide tile of the interpreter and the 4096-wide
+    one of the GPU (ragged tails),
+    flat rows (scale 0.01: the sum has V comparable terms) and peaked ones (scale 8: log-prob near 0)."""
+    b = 6
+    for scale, seed in ((1.0, 300), (0.01, 301), (8.0, 302)):
+        logits = randn(b, v, dtype=dtype, seed=seed + v, scale=scale)
+        mask = torch.ones(b, dtype=torch.bool, device=DEV)
+        ours, ref = _commit_state(b, seed, lp_dtype), _commit_state(b, seed, lp_dtype)
+        for st in (ours, ref):
+            st["ignore_eos"].fill_(True)
+            st["remaining"].fill_(100)
+        greedy_commit(logits, mask, **ours)
+        picks, logps = greedy_commit_ref(logits, mask, **ref)
+        assert torch.equal(ours["out"], ref["out"]) and torch.equal(ours["tokens"][:b], picks)
+        want = torch.log_softmax(logits.float(), -1).gather(-1, picks[:, None])[:, 0]
+        torch.testing.assert_close(logps, want, rtol=0, atol=0)  # the reference is log_softmax + gather
+        got = ours["out_logprob"][:b, 5]
+        assert torch.isfinite(got).all() and (got <= 1e-6).all()
+        torch.testing.assert_close(got, want.to(lp_dtype), **LOGPROB_TOL)
+        exact = torch.log_softmax(logits.double(), -1).gather(-1, picks[:, None])[:, 0]
+        torch.testing.assert_close(got.double(), exact, **LOGPROB_TOL)
+        _check_logprobs(ours["out_logprob"], ref["out_logprob"])
+        if v == 1:
+            assert (got == 0).all()  # one token: probability 1
 
 
 # ------------------------------------------------------------------------------- GPU: real shapes
@@ -470,3 +531,39 @@ def test_gpu_decode_step_cuda_graph():
         close(out, ref, torch.bfloat16)
         assert torch.equal(vc, vc_ref)  # pure copy
         _report_exact("graph k cache", kc, kc_ref)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_greedy_commit_real_vocab_in_graph(dtype):
+    """The real vocabulary (59264) at batch 1..64, launched with PDL inside a CUDA graph as in the decode step,
+    replayed on fresh logits: tokens and bookkeeping equal the reference, log-probs within LOGPROB_TOL."""
+    v = 59264
+    for b in (1, 7, 64):
+        logits = torch.empty(b, v, device=DEV, dtype=dtype)
+        mask = torch.ones(b, dtype=torch.bool, device=DEV)
+        ours = _commit_state(b, 7)
+        ours["ignore_eos"].fill_(True)
+        ours["remaining"].fill_(10 ** 6)
+        start = {k: t.clone() for k, t in ours.items()}
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            logits.copy_(randn(b, v, dtype=dtype, seed=400 + b, scale=4.0))
+            greedy_commit(logits, mask, **ours)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            greedy_commit(logits, mask, **ours)
+        for it in range(3):
+            for k in ours:
+                ours[k].copy_(start[k])
+            ref = {k: t.clone() for k, t in start.items()}
+            logits.copy_(randn(b, v, dtype=dtype, seed=500 + 10 * b + it, scale=4.0))
+            graph.replay()
+            torch.cuda.synchronize()
+            greedy_commit_ref(logits, mask, **ref)
+            for name in ours:
+                if name != "out_logprob":
+                    assert torch.equal(ours[name], ref[name]), name
+            _check_logprobs(ours["out_logprob"], ref["out_logprob"])

@@ -15,7 +15,7 @@ from conftest import noise
 def result():
     segs = [Segment(0, 0.0, 630.0, " Hello --> world ", [1, 2], "stop"),
             Segment(1, 630.0, 3725.4996, "", [], "stop"),
-            Segment(2, 3725.4996, 3731.0, "Tab\there", [3], "length")]
+            Segment(2, 3725.4996, 3731.0, "Tab\there", [3], "length", avg_logprob=-0.25)]
     return Transcription("Hello --> world Tab\there", [1, 2, 3], "length", 3731.0, 125, segments=segs,
                          num_groups=3)
 
@@ -55,6 +55,7 @@ def test_tsv_txt_json():
     data = json.loads(render(result(), "json"))
     assert data["text"] == result().text and [s["start"] for s in data["segments"]] == [0.0, 630.0, 3725.4996]
     assert data["segments"][2]["tokens"] == [3] and data["segments"][2]["finish_reason"] == "length"
+    assert [s["avg_logprob"] for s in data["segments"]] == [0.0, 0.0, -0.25]
 
 
 def test_unknown_format():

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +45,9 @@ class SequenceOutput:
     stop_token_id: int | None = None
     request_finished: bool = False  # the last sequence of its request finished with this output
     timing: dict | None = None  # with request_finished: the request's engine-side timings (ms)
+    # logprobs[i]: natural-log probability of tokens[i] under the step's softmax (fp32 over the whole vocabulary),
+    # one per token; the stop token is not in tokens and has none
+    logprobs: list[float] = field(default_factory=list)
 
 
 class Engine:
@@ -159,13 +162,14 @@ class Engine:
 
     def _collect(self) -> list[SequenceOutput]:
         self._in_flight = False
-        steps, rows = self.runner.finish_readback()
+        steps, rows, logprob_rows = self.runner.finish_readback()
         outputs = []
-        for slot, row in enumerate(rows):
+        for slot, (row, lp_row) in enumerate(zip(rows, logprob_rows)):
             seq = self.scheduler.slots[slot]
             if seq is None:
                 continue
             new = [t for t in row[:steps] if t >= 0]
+            new_lp = [lp for t, lp in zip(row[:steps], lp_row) if t >= 0]
             status, reason, stop_token = row[steps], None, None
             finished = False
             timing = None
@@ -184,7 +188,8 @@ class Engine:
                 if finished:
                     timing = _request_timing(req.timing)
             if new or reason is not None:
-                outputs.append(SequenceOutput(seq.request_id, seq.index, new, reason, stop_token, finished, timing))
+                outputs.append(SequenceOutput(seq.request_id, seq.index, new, reason, stop_token, finished, timing,
+                                              new_lp))
         return outputs
 
     # ---- conveniences ----
@@ -198,13 +203,15 @@ class Engine:
         ids = [self.add_request(prompt_embeds=[r.prompt_embeds], max_new_tokens=[r.max_new_tokens],
                                 ignore_eos=ignore_eos) for r in requests]
         tokens = {rid: [] for rid in ids}
+        logprobs = {rid: [] for rid in ids}
         results = {}
         while self.has_unfinished():
             for out in self.step():
                 tokens[out.request_id] += out.tokens
+                logprobs[out.request_id] += out.logprobs
                 if out.finish_reason is not None:
                     results[out.request_id] = GenerationResult(tokens[out.request_id], out.finish_reason,
-                                                               out.stop_token_id)
+                                                               out.stop_token_id, logprobs[out.request_id])
         return [results[rid] for rid in ids]
 
 

@@ -9,9 +9,11 @@ per sequence per step. A sequence stops at the first eos id ("stop") or after it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from glmasr_kernels.greedy_commit import greedy_pick
 
 from ..models.kv_cache import KVCache
 
@@ -27,6 +29,7 @@ class GenerationResult:
     token_ids: list[int]  # generated tokens, without the stop token
     finish_reason: str  # "stop" or "length"
     stop_token_id: int | None = None
+    logprobs: list[float] = field(default_factory=list)  # log_softmax of each token_ids entry at its step
 
 
 @torch.inference_mode()
@@ -52,28 +55,31 @@ def greedy_generate(model, requests: list[GenerationRequest], eos_token_ids, ign
     hidden = model.decode(embeds, positions, cache, kv_len=longest)
     lengths_t = torch.tensor(lengths, device=device)
     last = hidden[torch.arange(batch, device=device), lengths_t - 1]
-    next_tokens = model.logits(last).argmax(-1)
+    next_tokens, next_logprobs = greedy_pick(model.logits(last))
 
     eos = set(int(e) for e in eos_token_ids)
     outputs: list[list[int]] = [[] for _ in range(batch)]
+    logprobs: list[list[float]] = [[] for _ in range(batch)]
     results: list[GenerationResult | None] = [None] * batch
     position = lengths_t.clone()  # where each sequence's next fed token goes
     for _ in range(max(budgets)):
-        for i, tok in enumerate(next_tokens.tolist()):
+        for i, (tok, lp) in enumerate(zip(next_tokens.tolist(), next_logprobs.tolist())):
             if results[i] is not None:
                 continue
             if tok in eos and not ignore_eos:
-                results[i] = GenerationResult(outputs[i], "stop", tok)
+                results[i] = GenerationResult(outputs[i], "stop", tok, logprobs[i])
                 continue
             outputs[i].append(tok)
+            logprobs[i].append(lp)
             if len(outputs[i]) >= budgets[i]:
-                results[i] = GenerationResult(outputs[i], "length")
+                results[i] = GenerationResult(outputs[i], "length", None, logprobs[i])
         if all(r is not None for r in results):
             break
         # Finished rows keep feeding at a fixed, in-range slot; their outputs are ignored.
         feed_pos = torch.clamp(position, max=capacity - 1)
         hidden = model.decode(model.embed_tokens(next_tokens)[:, None], feed_pos[:, None], cache, kv_len=int(feed_pos.max()) + 1)
-        next_tokens = model.logits(hidden[:, 0]).argmax(-1)
+        next_tokens, next_logprobs = greedy_pick(model.logits(hidden[:, 0]))
         active = torch.tensor([r is None for r in results], device=device)
         position = position + active.to(position.dtype)
-    return [r if r is not None else GenerationResult(outputs[i], "length") for i, r in enumerate(results)]
+    return [r if r is not None else GenerationResult(outputs[i], "length", None, logprobs[i])
+            for i, r in enumerate(results)]

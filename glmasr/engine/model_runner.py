@@ -2,14 +2,17 @@
 steps (CUDA graphs per batch and KV-length bucket), the sync-free read-back, warm-up.
 
 - **Slot state** on the device: the last token, its position, an active flag, the remaining budget, ignore_eos,
-  why it finished, and a small output buffer of ``sync_every`` columns. A decode step for the first ``b`` slots
-  (embed, all decoder layers, lm head, greedy argmax, eos/budget bookkeeping, append to the buffer) is one
-  function, captured once per (batch bucket, KV-length bucket) and replayed; nothing in it syncs the host.
+  why it finished, and small output buffers of ``sync_every`` columns: the tokens and their log-probabilities.
+  A decode step for the first ``b`` slots (embed, all decoder layers, lm head, greedy argmax and the chosen
+  token's log-probability, eos/budget bookkeeping, append to the buffers) is one function, captured once per
+  (batch bucket, KV-length bucket) and replayed; nothing in it syncs the host.
 - **Prefill** of newly admitted sequences: one right-padded forward pass from slot 0 of each cache row (a CUDA
-  graph per prompt-length bucket for a single sequence); its argmax goes through the same bookkeeping.
-- **Read-back**: after a round, the output buffer and the status go to pinned host memory with a non-blocking
-  copy and an event; ``finish_readback`` waits for that event only, so encoder work enqueued after the round
-  keeps the GPU busy while the host handles the round.
+  graph per prompt-length bucket for a single sequence); its argmax and log-probability go through the same
+  bookkeeping.
+- **Read-back**: after a round, the token buffer, the status, the stop token and the log-probabilities (float64,
+  bit-cast to int64 so they travel in the same tensor) go to pinned host memory in one non-blocking copy with
+  an event; ``finish_readback`` waits for that event only, so encoder work enqueued after the round keeps the
+  GPU busy while the host handles the round.
 - **KV capacity** grows by powers of two when a longer sequence is admitted (the cache is copied, the graphs are
   recaptured), so a short-audio workload does not hold 8192 positions per slot.
 """
@@ -20,7 +23,7 @@ import time
 
 import torch
 
-from glmasr_kernels.greedy_commit import RUNNING, commit_tokens
+from glmasr_kernels.greedy_commit import RUNNING, commit_tokens, greedy_pick
 
 from .. import cuda_graphs
 from ..device import host_to_device
@@ -75,11 +78,14 @@ class ModelRunner:
         self.status = torch.zeros(n, dtype=torch.long, device=dev)
         self.stop_token = torch.full((n,), -1, dtype=torch.long, device=dev)
         self.out = torch.full((n, self.sync_every), -1, dtype=torch.long, device=dev)
+        # log-probability of each token in ``out`` (0.0 where out is -1); float64 so that the read-back can carry
+        # its bits in the int64 tensor of the tokens (one copy)
+        self.out_logprob = torch.zeros((n, self.sync_every), dtype=torch.float64, device=dev)
         self.step_index = torch.zeros(1, dtype=torch.long, device=dev)
         self.eos_ids = torch.tensor(sorted(set(cfg.eos_token_ids)), dtype=torch.long, device=dev)
         cuda = dev.type == "cuda"
-        # flat, so the (n, steps + 2) view of a round is contiguous (a strided pinned target would be staged)
-        self._host = torch.empty(n * (self.sync_every + 2), dtype=torch.long, pin_memory=cuda)
+        # flat, so the (n, 2 * steps + 2) view of a round is contiguous (a strided pinned target would be staged)
+        self._host = torch.empty(n * (2 * self.sync_every + 2), dtype=torch.long, pin_memory=cuda)
         self._readback_event = torch.cuda.Event() if cuda else None
         self._readback_steps = 0
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -140,9 +146,9 @@ class ModelRunner:
 
     # ---- bookkeeping shared by prefill and decode ----
     def _state(self) -> dict:
-        return dict(eos_ids=self.eos_ids, ignore_eos=self.ignore_eos, out=self.out, step_index=self.step_index,
-                    remaining=self.remaining, status=self.status, stop_token=self.stop_token, active=self.active,
-                    tokens=self.tokens, positions=self.positions)
+        return dict(eos_ids=self.eos_ids, ignore_eos=self.ignore_eos, out=self.out, out_logprob=self.out_logprob,
+                    step_index=self.step_index, remaining=self.remaining, status=self.status,
+                    stop_token=self.stop_token, active=self.active, tokens=self.tokens, positions=self.positions)
 
     def begin_round(self) -> None:
         self.step_index.zero_()
@@ -172,18 +178,21 @@ class ModelRunner:
         lengths_t = host_to_device(lengths, dev)
         bkt = bucket(longest, PREFILL_BUCKETS)
         if self.prefill_graphs and len(embeds) == 1 and longest <= bkt <= self.capacity:
-            first = self._graphed_prefill(bkt, embeds[0], lengths[0], slots[0])
+            first, first_logprob = self._graphed_prefill(bkt, embeds[0], lengths[0], slots[0])
         else:
             batch = torch.zeros(len(embeds), longest, embeds[0].shape[1], device=dev, dtype=self.model.dtype)
             for i, e in enumerate(embeds):
                 batch[i, : lengths[i]] = e
             positions = torch.arange(longest, device=dev).expand(len(embeds), longest)
             hidden = self.model.decode(batch, positions, self.cache, kv_len=longest, rows=rows)
-            first = self.model.logits(hidden[torch.arange(len(embeds), device=dev), lengths_t - 1]).argmax(-1)
+            first, first_logprob = greedy_pick(self.model.logits(hidden[torch.arange(len(embeds), device=dev),
+                                                                        lengths_t - 1]))
         # Scatter into a full-width step result and commit only the admitted slots.
         b = max(slots) + 1
         next_tokens = torch.zeros(b, dtype=torch.long, device=dev)
         next_tokens[rows] = first
+        next_logprobs = torch.zeros(b, dtype=torch.float32, device=dev)
+        next_logprobs[rows] = first_logprob
         mask = torch.zeros(b, dtype=torch.bool, device=dev).index_fill_(0, rows, True)
         self.positions[rows] = lengths_t - 1  # commit moves it to the first generated token's slot
         self.remaining[rows] = host_to_device(budgets, dev)
@@ -193,11 +202,13 @@ class ModelRunner:
                 self.ignore_eos.index_fill_(0, host_to_device(chosen, dev), flag)
         self.status.index_fill_(0, rows, RUNNING)
         self.stop_token.index_fill_(0, rows, -1)
-        commit_tokens(next_tokens, mask, **self._state())
+        commit_tokens(next_tokens, next_logprobs, mask, **self._state())
         self.step_index += 1
 
-    def _graphed_prefill(self, bkt: int, embeds: torch.Tensor, length: int, slot: int) -> torch.Tensor:
-        """Prefill one prompt, right-padded to ``bkt`` positions, from a CUDA graph; returns its first token.
+    def _graphed_prefill(self, bkt: int, embeds: torch.Tensor, length: int, slot: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill one prompt, right-padded to ``bkt`` positions, from a CUDA graph; returns its first token and
+        that token's log-probability.
         The padding writes KV slots [length, bkt) of the row, which decoding overwrites before it reads them."""
         entry = self._prefill_graphs.get(bkt)
         if entry is None:
@@ -206,12 +217,15 @@ class ModelRunner:
                       "last": torch.zeros(1, dtype=torch.long, device=dev),
                       "row": torch.zeros(1, dtype=torch.long, device=dev),
                       "positions": torch.arange(bkt, device=dev)[None],
-                      "first": torch.zeros(1, dtype=torch.long, device=dev)}
+                      "first": torch.zeros(1, dtype=torch.long, device=dev),
+                      "first_logprob": torch.zeros(1, dtype=torch.float32, device=dev)}
 
             def run():
                 hidden = self.model.decode(static["embeds"], static["positions"], self.cache, kv_len=bkt,
                                            rows=static["row"])
-                static["first"].copy_(self.model.logits(hidden[0].index_select(0, static["last"])).argmax(-1))
+                tok, logp = greedy_pick(self.model.logits(hidden[0].index_select(0, static["last"])))
+                static["first"].copy_(tok)
+                static["first_logprob"].copy_(logp)
 
             static["row"].fill_(slot)  # warm-up writes go to the row being admitted, which the replay rewrites
             graph, _ = cuda_graphs.capture(run, dev, self.pool.handle)
@@ -222,7 +236,7 @@ class ModelRunner:
         static["last"].fill_(length - 1)
         static["row"].fill_(slot)
         graph.replay()
-        return static["first"].clone()
+        return static["first"].clone(), static["first_logprob"].clone()
 
     # ---- decode ----
     def _decode_step(self, b: int, kv_len: int) -> None:
@@ -233,9 +247,9 @@ class ModelRunner:
         if self.fused_commit:
             from glmasr_kernels.greedy_commit import greedy_commit
 
-            greedy_commit(logits, self.active[:b], **self._state())  # argmax + bookkeeping, one launch
+            greedy_commit(logits, self.active[:b], **self._state())  # argmax, log-prob + bookkeeping, one launch
         else:
-            commit_tokens(logits.argmax(-1), self.active[:b], **self._state())
+            commit_tokens(*greedy_pick(logits), self.active[:b], **self._state())
         self.step_index += 1
 
     @torch.inference_mode()
@@ -257,7 +271,7 @@ class ModelRunner:
         # The warm-up steps really run: save the slot state and restore it afterwards; each warm-up step writes
         # output column 0.
         state = (self.tokens, self.positions, self.active, self.remaining, self.status, self.stop_token, self.out,
-                 self.step_index)
+                 self.out_logprob, self.step_index)
         saved = [t.clone() for t in state]
         graph, _ = cuda_graphs.capture(lambda: self._decode_step(b, kv_len), self.device, self.pool.handle,
                                        warmup=2, before_warmup=self.step_index.zero_)
@@ -268,19 +282,23 @@ class ModelRunner:
 
     # ---- read-back ----
     def start_readback(self, steps: int) -> None:
-        """Copy the round's tokens and every slot's status/stop token to pinned host memory (enqueued)."""
-        state = torch.cat([self.out[:, :steps], self.status[:, None], self.stop_token[:, None]], 1)
+        """Copy the round's tokens, every slot's status/stop token and the tokens' log-probabilities to pinned
+        host memory, one tensor in one copy (enqueued)."""
+        state = torch.cat([self.out[:, :steps], self.status[:, None], self.stop_token[:, None],
+                           self.out_logprob[:, :steps].view(torch.long)], 1)  # bit-cast, no conversion
         self._host[: state.numel()].view(state.shape).copy_(state, non_blocking=self._readback_event is not None)
         if self._readback_event is not None:
             self._readback_event.record()
         self._readback_steps = steps
 
-    def finish_readback(self) -> tuple[int, list[list[int]]]:
-        """Wait for the round's copy; (steps, rows): row s = s's tokens of the round, then status, stop token."""
+    def finish_readback(self) -> tuple[int, list[list[int]], list[list[float]]]:
+        """Wait for the round's copy; (steps, rows, logprobs): row s = s's tokens of the round (-1 where none),
+        then status, stop token; logprobs[s][i] = the log-probability of token i of row s (0.0 where none)."""
         if self._readback_event is not None:
             self._readback_event.synchronize()
         steps = self._readback_steps
-        return steps, self._host[: self.max_batch * (steps + 2)].view(self.max_batch, steps + 2).tolist()
+        host = self._host[: self.max_batch * (2 * steps + 2)].view(self.max_batch, 2 * steps + 2)
+        return steps, host[:, : steps + 2].tolist(), host[:, steps + 2:].view(torch.float64).tolist()
 
     # ---- warm-up ----
     @torch.inference_mode()

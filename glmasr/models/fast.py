@@ -355,8 +355,9 @@ class FastGlmAsrModel:
         return F.linear, lambda x, w: swiglu(F.linear(x, w))
 
     def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        """lm head; fp32 unless ``upcast=False`` (the model dtype: the engine's greedy_commit reads it as is,
-        and argmax commutes with the exact bf16 -> fp32 cast, so the cast kernel per step is saved)."""
+        """lm head; fp32 unless ``upcast=False`` (the model dtype: the engine's greedy_commit reads it as is and
+        casts each element to fp32 in registers, exactly what ``.float()`` gives, for both the argmax and the
+        log-sum-exp of the chosen token's log-probability, so the cast kernel per step is saved)."""
         linear, _ = self._decode_linears(prefill=hidden.dim() > 2 and hidden.shape[-2] > 1)
         y = linear(hidden, self.lm_head)
         return y.float() if upcast else y

@@ -33,9 +33,11 @@ Segments: ``verbose_json``'s segments, and the SRT/VTT cues (``glmasr.writers``)
 ``Transcription.segments``: today one per prompt (window group: consecutive 30 s windows, one group for audio up to
 ~7 minutes at the default budget), spanning exactly the audio of that prompt, with that prompt's text and tokens.
 A segment's times are the bounds of the audio it came from, not of the speech in it. Of the fields the OpenAI
-segment type requires, ``avg_logprob`` and ``no_speech_prob`` are not computed (0.0); ``compression_ratio`` is
-the engine's (text bytes over zlib-compressed bytes, as Whisper computes it); ``temperature`` is 0.0 (greedy);
-``seek`` is the start in 10 ms frames.
+segment type requires, ``avg_logprob`` is the engine's (``Segment.avg_logprob``: the mean natural-log probability
+of the segment's tokens, each under its greedy step's softmax; the stop token is not counted; 0.0 for a segment
+with no token); ``no_speech_prob`` is not computed (0.0); ``compression_ratio`` is the engine's (text bytes over
+zlib-compressed bytes, as Whisper computes it); ``temperature`` is 0.0 (greedy); ``seek`` is the start in 10 ms
+frames.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ _KNOWN_FIELDS = {"file", "model", "prompt", "keywords[]", "keywords", "language"
                  "timestamp_granularities[]", "timestamp_granularities", "stream", "chunking_strategy",
                  "chunking_strategy[type]"}
 _UNSUPPORTED_FIELDS = {
-    "include[]": "include[] (logprobs) is not implemented: the engine does not return token log probabilities",
+    "include[]": "include[] (logprobs) is not implemented: per-token log probabilities are not returned (each "
+                 "verbose_json segment has its avg_logprob)",
     "languages[]": "languages[] is not supported; pass one ISO-639-1 code as language",
     "known_speaker_names[]": "speaker diarization (known_speaker_names[]) is not implemented",
     "known_speaker_references[]": "speaker diarization (known_speaker_references[]) is not implemented",
@@ -278,7 +281,8 @@ def json_body(text: str, seconds: float) -> dict:
 def verbose_segment(seg) -> dict:
     """One ``glmasr.results.Segment`` as the OpenAI client's ``TranscriptionSegment``."""
     return {"id": seg.id, "seek": int(round(seg.start * 100)), "start": round(seg.start, 3), "end": round(seg.end, 3),
-            "text": seg.text, "tokens": list(seg.token_ids), "temperature": 0.0, "avg_logprob": 0.0,
+            "text": seg.text, "tokens": list(seg.token_ids), "temperature": 0.0,
+            "avg_logprob": float(seg.avg_logprob),
             "compression_ratio": float(seg.compression_ratio), "no_speech_prob": 0.0}
 
 
