@@ -220,3 +220,21 @@ def test_bf16_graph_replay_log_probs_equal_eager_steps(tiny_shipped):
     assert same(graphed, eager)
     assert [r.logprobs for r in graphed] == [r.logprobs for r in eager]
     close_logprobs(graphed, eager, tol=0.0)
+
+
+def test_prefill_length_groups_bound_the_padding():
+    """Mixed prompt lengths are prefilled in groups whose padded size is at most 1.25 x their real tokens."""
+    import random
+
+    from glmasr.engine.model_runner import length_groups
+
+    rng = random.Random(0)
+    for _ in range(50):
+        lengths = [rng.randint(20, 400) for _ in range(rng.randint(1, 128))]
+        groups = length_groups(lengths)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # each prompt exactly once
+        for g in groups:
+            real = sum(lengths[i] for i in g)
+            assert len(g) * max(lengths[i] for i in g) <= 1.25 * real or len(g) == 1
+    assert length_groups([100, 100, 100]) == [[0, 1, 2]]
+    assert length_groups([10, 400]) == [[1], [0]]

@@ -6,9 +6,9 @@ steps (CUDA graphs per batch and KV-length bucket), the sync-free read-back, war
   A decode step for the first ``b`` slots (embed, all decoder layers, lm head, greedy argmax and the chosen
   token's log-probability, eos/budget bookkeeping, append to the buffers) is one function, captured once per
   (batch bucket, KV-length bucket) and replayed; nothing in it syncs the host.
-- **Prefill** of newly admitted sequences: one right-padded forward pass from slot 0 of each cache row (a CUDA
-  graph per prompt-length bucket for a single sequence); its argmax and log-probability go through the same
-  bookkeeping.
+- **Prefill** of newly admitted sequences: right-padded forward passes from slot 0 of each cache row, prompts
+  grouped by length so padding stays under a quarter of the work (a CUDA graph per prompt-length bucket for a
+  single sequence); the argmax and log-probability go through the same bookkeeping.
 - **Read-back**: after a round, the token buffer, the status, the stop token and the log-probabilities (float64,
   bit-cast to int64 so they travel in the same tensor) go to pinned host memory in one non-blocking copy with
   an event; ``finish_readback`` waits for that event only, so encoder work enqueued after the round keeps the
@@ -48,6 +48,22 @@ def kv_bucket(n: int, capacity: int) -> int:
     while b < n:
         b *= 2
     return min(b, capacity)
+
+
+def length_groups(lengths: list[int], slack: float = 1.25) -> list[list[int]]:
+    """Indices of ``lengths`` in groups whose right-padded size (count x longest) is at most ``slack`` x their
+    real tokens, longest first: prompts of mixed lengths padded to one longest would spend up to half of the
+    prefill on padding."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups, real = [], 0
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= slack * (real + lengths[i]):
+            groups[-1].append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups
 
 
 class ModelRunner:
@@ -174,19 +190,20 @@ class ModelRunner:
         dev = self.device
         lengths = [int(e.shape[0]) for e in embeds]
         longest = max(lengths)
-        rows = host_to_device(slots, dev)
-        lengths_t = host_to_device(lengths, dev)
         bkt = bucket(longest, PREFILL_BUCKETS)
         if self.prefill_graphs and len(embeds) == 1 and longest <= bkt <= self.capacity:
             first, first_logprob = self._graphed_prefill(bkt, embeds[0], lengths[0], slots[0])
         else:
-            batch = torch.zeros(len(embeds), longest, embeds[0].shape[1], device=dev, dtype=self.model.dtype)
-            for i, e in enumerate(embeds):
-                batch[i, : lengths[i]] = e
-            positions = torch.arange(longest, device=dev).expand(len(embeds), longest)
-            hidden = self.model.decode(batch, positions, self.cache, kv_len=longest, rows=rows)
-            first, first_logprob = greedy_pick(self.model.logits(hidden[torch.arange(len(embeds), device=dev),
-                                                                        lengths_t - 1]))
+            groups = length_groups(lengths)
+            picks = [self._padded_prefill([slots[i] for i in g], [embeds[i] for i in g], [lengths[i] for i in g])
+                     for g in groups]
+            first = torch.cat([p[0] for p in picks]) if len(picks) > 1 else picks[0][0]
+            first_logprob = torch.cat([p[1] for p in picks]) if len(picks) > 1 else picks[0][1]
+            order = [i for g in groups for i in g]  # the order of ``first``: the slots' state follows it
+            slots, lengths = [slots[i] for i in order], [lengths[i] for i in order]
+            budgets, ignore_eos = [budgets[i] for i in order], [ignore_eos[i] for i in order]
+        rows = host_to_device(slots, dev)
+        lengths_t = host_to_device(lengths, dev)
         # Scatter into a full-width step result and commit only the admitted slots.
         b = max(slots) + 1
         next_tokens = torch.zeros(b, dtype=torch.long, device=dev)
@@ -204,6 +221,19 @@ class ModelRunner:
         self.stop_token.index_fill_(0, rows, -1)
         commit_tokens(next_tokens, next_logprobs, mask, **self._state())
         self.step_index += 1
+
+    def _padded_prefill(self, slots: list[int], embeds: list[torch.Tensor], lengths: list[int]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One eager forward of prompts right-padded to the longest; their first tokens and log-probabilities."""
+        dev = self.device
+        longest = max(lengths)
+        batch = torch.zeros(len(embeds), longest, embeds[0].shape[1], device=dev, dtype=self.model.dtype)
+        for i, e in enumerate(embeds):
+            batch[i, : lengths[i]] = e
+        positions = torch.arange(longest, device=dev).expand(len(embeds), longest)
+        hidden = self.model.decode(batch, positions, self.cache, kv_len=longest, rows=host_to_device(slots, dev))
+        last = host_to_device([n - 1 for n in lengths], dev)
+        return greedy_pick(self.model.logits(hidden[torch.arange(len(embeds), device=dev), last]))
 
     def _graphed_prefill(self, bkt: int, embeds: torch.Tensor, length: int, slot: int
                          ) -> tuple[torch.Tensor, torch.Tensor]:
