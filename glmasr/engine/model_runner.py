@@ -105,6 +105,7 @@ class ModelRunner:
         self._readback_event = torch.cuda.Event() if cuda else None
         self._readback_steps = 0
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._seen_buckets: set[tuple[int, int]] = set()  # decode buckets that ran once without a graph
         self._prefill_graphs: dict[int, tuple] = {}
         self.pool = cuda_graphs.GraphPool()
         # The Triton decoder path fuses the step's argmax and bookkeeping into one kernel (~30 launches less).
@@ -293,6 +294,14 @@ class ModelRunner:
             return
         graph = self.graphs.get((b, kv_len))
         if graph is None:
+            # A bucket's first round runs eagerly (the same kernels, so the same tokens) and its second captures
+            # it: a capture costs tens of eager steps and syncs the host, which a bucket used once (a workload
+            # passing through on a fresh engine) never earns back. warmup() captures ahead.
+            if (b, kv_len) not in self._seen_buckets:
+                self._seen_buckets.add((b, kv_len))
+                for _ in range(steps):
+                    self._decode_step(b, kv_len)
+                return
             graph = self._capture_decode(b, kv_len)
         for _ in range(steps):
             graph.replay()
