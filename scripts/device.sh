@@ -3,7 +3,8 @@
 #
 #   bash scripts/device.sh MODE [ARGS]
 #
-# mode                     what (budget of each step, s; the whole call ends by ~580 s)
+# mode                     what (budget of each step, s; the whole call ends by ~580 s). GLMASR_COMMIT=REV names the
+#                          checkout in the header (the device copy's git metadata may lag the working tree)
 # tests [PYTEST-ARGS]      prewarm the log-mel cubins (<= 120), then pytest (all that is left, ~540): by default the
 #                          GPU-heavy files first, then the rest of tests/, -k "not nvrtc_compiles"; PYTEST-ARGS
 #                          replace that selection. Stops starting tests when its budget is spent (pytest_budget).
@@ -58,7 +59,7 @@ else
     fi
     gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv,noheader 2>/dev/null | head -1)
     versions=$(python3 -c 'import torch, triton, transformers as t; print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {t.__version__}")' 2>&1 | tail -1)
-    HEADER="${gpu:-no GPU seen by nvidia-smi}; $versions; checkout $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)'); $(date -u '+%Y-%m-%d %H:%M UTC')"
+    HEADER="${gpu:-no GPU seen by nvidia-smi}; $versions; checkout ${GLMASR_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "(no git)")}; $(date -u '+%Y-%m-%d %H:%M UTC')"
     echo "$HEADER"
 fi
 export OUT
