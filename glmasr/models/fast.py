@@ -228,6 +228,10 @@ class FastGlmAsrModel:
         # Encoder attention (1500 x 1500 per head, no mask): SDPA backends in priority order; the first that
         # supports the call runs (cuDNN's Hopper kernel first; fp32 falls through to the efficient/math ones).
         self.encoder_sdpa = ("cudnn", "flash", "efficient", "math")
+        # Decoder prefill (causal, GQA): flash first. Prefill shapes vary with the prompts batched together, and
+        # cuDNN builds an execution plan for every new shape, which a first call over mixed clips paid again and
+        # again; flash needs none. (The encoder's shapes are a few fixed buckets, where cuDNN's speed pays.)
+        self.prefill_sdpa = ("flash", "efficient", "cudnn", "math")
 
     @property
     def device(self) -> torch.device:
@@ -334,8 +338,9 @@ class FastGlmAsrModel:
             v = qkv[..., (nq + nk) * d:].view(b, t, nk, d)
             rope_and_append(q, k, v, positions, self.dec_cos, self.dec_sin, cache.k[i], cache.v[i], cache_rows=rows)
             if prefill:
-                attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                      is_causal=True, scale=d ** -0.5, enable_gqa=nq != nk)
+                with _sdpa_backends(self.prefill_sdpa):
+                    attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                          is_causal=True, scale=d ** -0.5, enable_gqa=nq != nk)
                 attn = attn.transpose(1, 2).reshape(b, t, nq * d)
             else:
                 attn = decode_attention(q[:, 0], cache.k[i], cache.v[i], lengths, max_len=kv_len, cache_rows=rows,
