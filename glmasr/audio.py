@@ -22,9 +22,9 @@
 - Files are read in blocks and mixed to mono block by block (the same samples as before, bit for bit; the mix of
   an hour of stereo takes 0.2 s instead of 4-9 s). Long files
   (>= ``PARALLEL_MIN_S``) in PCM wav/aiff, flac or mp3 are decoded on threads, each with its own libsndfile
-  handle (these formats seek sample-exactly: bit-equal to one sequential read). Resampling is one soxr call;
-  block resampling on threads is opt-in (``resample(..., threads=N)``, within float32 rounding of one call),
-  since on a 2-vCPU host it was no faster.
+  handle (these formats seek sample-exactly: bit-equal to one sequential read). Resampling of long audio runs
+  in blocks on threads where at least 4 CPUs are usable (within float32 rounding of one soxr call; on a 2-vCPU
+  host it was no faster, so there it is one call).
 - Bad input (missing/corrupt file, empty audio, NaN/inf, a bad sample rate) raises ``AudioError`` naming it.
 - Bytes in memory (an upload: ``decode_audio_bytes``) take the same path as files: the format from the magic
   bytes, the same decoders, truncation checks and threads. Encoded audio that cannot be used raises an
@@ -58,7 +58,8 @@ READ_BLOCK_FRAMES = 1 << 18  # frames per libsndfile read and per mono mix (~6 s
 SALVAGE_READ_FRAMES = 256  # read size when recovering what precedes damage
 DECODE_BLOCKS_PER_THREAD = 4
 RESAMPLE_BLOCKS_PER_THREAD = 4
-RESAMPLE_THREADS = 1  # threaded resampling is opt-in: on the 2-vCPU host it was measured no faster than one soxr call
+RESAMPLE_THREADS: int | None = None  # None: the decode threads where at least RESAMPLE_MIN_CPUS are usable, else 1
+RESAMPLE_MIN_CPUS = 4  # on the 2-vCPU host block resampling was measured no faster than one soxr call
 RESAMPLE_OVERLAP_S = 0.5  # input each resampling block sees beyond its ends
 LOSSY_TOLERANCE_S = 0.05  # shortfall against a lossy header's duration still counted as whole (codec frames)
 
@@ -218,6 +219,11 @@ def _threads() -> int:
     return max(1, min(8, n))
 
 
+def _resample_threads() -> int:
+    n = _threads()
+    return n if n >= RESAMPLE_MIN_CPUS else 1
+
+
 def _mix(block: np.ndarray) -> np.ndarray:
     """(frames, channels) float32 -> mono float32, exactly as ``_to_mono`` does it."""
     if block.shape[1] == 1:
@@ -258,9 +264,10 @@ def _blockwise_mean(data: np.ndarray, axis: int) -> np.ndarray:
 def resample(samples: np.ndarray, rate: int, target: int = SAMPLE_RATE, threads: int | None = None) -> np.ndarray:
     """soxr HQ resampling of mono (1-D) or (frames, channels) samples to ``target`` Hz.
 
-    ``threads`` (default ``RESAMPLE_THREADS`` = 1): with more than one, mono signals of at least ``PARALLEL_MIN_S``
-    seconds are resampled in blocks on that many threads. Opt-in because on the 2-vCPU host it was slower than one
-    soxr call (an hour at 44.1 kHz: 0.74-1.54 s on 2 threads against 0.49-0.52 s; scripts/bench/audio_decode.py).
+    ``threads`` (default: ``RESAMPLE_THREADS``, else the decode threads when at least ``RESAMPLE_MIN_CPUS`` CPUs
+    are usable, else 1): with more than one, mono signals of at least ``PARALLEL_MIN_S`` seconds are resampled in
+    blocks on that many threads. Not on small hosts: on 2 vCPUs it was slower than one soxr call (an hour at
+    44.1 kHz: 0.74-1.54 s on 2 threads against 0.49-0.52 s; scripts/bench/audio_decode.py).
     The blocks start on the rates' common period (``rate / gcd`` input samples = ``target / gcd`` output samples,
     so every block's output grid is the one-shot grid); each is resampled with ``RESAMPLE_OVERLAP_S`` of input on
     both sides (far longer than the HQ filter) and the overlap is cut off. The first block starts and the last
@@ -271,7 +278,9 @@ def resample(samples: np.ndarray, rate: int, target: int = SAMPLE_RATE, threads:
         return samples
     import soxr
 
-    threads = RESAMPLE_THREADS if threads is None else max(1, int(threads))
+    if threads is None:
+        threads = RESAMPLE_THREADS if RESAMPLE_THREADS is not None else _resample_threads()
+    threads = max(1, int(threads))
     n = samples.shape[0]
     g = math.gcd(int(rate), int(target))
     p, q = int(rate) // g, int(target) // g

@@ -806,3 +806,18 @@ def test_audio_module_does_not_import_the_server():
     names = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert not [n for n in names if "server" in n], names
+
+
+def test_default_resampling_threads_follow_the_host(monkeypatch):
+    """Long audio is resampled on threads by default where at least RESAMPLE_MIN_CPUS are usable, else in one
+    soxr call; the output is the same within float32 rounding either way."""
+    from glmasr import audio as A
+
+    monkeypatch.setattr(A, "AUDIO_THREADS", 2)
+    assert A._resample_threads() == 1
+    monkeypatch.setattr(A, "AUDIO_THREADS", 6)
+    assert A._resample_threads() == 6
+    x = np.random.default_rng(3).standard_normal(int(70 * 22050)).astype(np.float32) * 0.1
+    threaded = A.resample(x, 22050)
+    one = A.resample(x, 22050, threads=1)
+    assert threaded.shape == one.shape and np.max(np.abs(threaded - one)) <= 1e-6
