@@ -18,12 +18,18 @@ finished and its writes are visible; it writes nothing before ``pdl_wait`` and e
 ``pdl_wait`` (so the wait is transitive: finishing implies everything earlier finished). The gain is the
 launch latency and ramp of each small decode kernel, overlapped with the tail of the one before, and for the
 GEMVs the first weight tile already in flight. Off under the interpreter, below sm_90, or with ``set_pdl(False)`` (glmasr: GLMASR_PDL=0).
+
+* ``compile_ahead()``: a context in which this thread's Triton launches only compile, all on a thread pool at
+  once, and launch nothing; on exit every compile has finished and is in the kernels' caches. For a dry pass
+  over the code paths a warm-up will take, so cold caches cost the longest compile instead of their sum.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 
 import torch
 import triton
@@ -166,3 +172,45 @@ def row_block(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     cmask = cols < N
     mask = (rows < M)[:, None] & cmask[None, :]
     return rows.to(tl.int64), cols, cmask, mask
+
+
+_dry = threading.local()
+
+
+def _install_dry_launch() -> None:
+    """Wrap ``JITFunction.run`` once so that launches from a thread inside ``compile_ahead`` become warm-ups
+    (compile, no launch); other threads are untouched."""
+    from triton.runtime.jit import JITFunction
+
+    if getattr(JITFunction.run, "_glmasr_dry", False):
+        return
+    original = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        return original(self, *args, grid=grid, warmup=warmup or getattr(_dry, "on", False), **kwargs)
+
+    run._glmasr_dry = True
+    JITFunction.run = run
+
+
+@contextlib.contextmanager
+def compile_ahead(workers: int | None = None):
+    """Context (yields True, or False where it does nothing: the interpreter): Triton launches from this thread
+    compile on ``workers`` threads (default: the CPUs, at most 16) and do not run, so whatever they would have
+    written is left unwritten; leaving the context waits for every compile. Only for dry passes whose outputs
+    are thrown away (torch ops inside still run, on unwritten data)."""
+    if interpreting():
+        yield False
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    _install_dry_launch()
+    with ThreadPoolExecutor(workers or min(16, os.cpu_count() or 1), thread_name_prefix="triton-compile") as pool:
+        _dry.on = True
+        try:
+            with AsyncCompileMode(pool):
+                yield True
+        finally:
+            _dry.on = False

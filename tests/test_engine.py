@@ -238,3 +238,41 @@ def test_prefill_length_groups_bound_the_padding():
             assert len(g) * max(lengths[i] for i in g) <= 1.25 * real or len(g) == 1
     assert length_groups([100, 100, 100]) == [[0, 1, 2]]
     assert length_groups([10, 400]) == [[1], [0]]
+
+
+_COMPILE_AHEAD_PROBE = r"""
+import json, sys, torch, glmasr
+from triton.runtime.jit import JITFunction
+asr = glmasr.load(sys.argv[1], device="cuda", warmup=False)  # warmup=False: nothing compiled at load
+runner = asr.engine.runner
+state = [t.clone() for t in (runner.tokens, runner.positions, runner.status, runner.step_index)]
+shapes = dict(batch_sizes=(1, 2, 4), kv_lens=(256, 512), prefill_lengths=(64,), encoder_windows=(1, 2))
+active = asr.loop.call(lambda eng: eng.runner.compile_kernels(**shapes)).result()
+restored = all(torch.equal(a, b) for a, b in zip(state, (runner.tokens, runner.positions, runner.status,
+                                                          runner.step_index)))
+compiled = []
+original = JITFunction._do_compile
+def no_compile(self, *a, **k):
+    compiled.append(self.fn.__name__)
+    return original(self, *a, **k)
+JITFunction._do_compile = no_compile
+asr.loop.call(lambda eng: eng.runner.warmup(**shapes)).result()  # graphs of exactly those paths
+print(json.dumps({"active": active, "restored": restored, "compiled_after": compiled}))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton compiles, CUDA graphs)")
+def test_compile_ahead_covers_the_warmup(tiny_shipped, tmp_path):
+    """The dry pass (kernels compiled all at once on a thread pool, nothing launched) compiles every Triton
+    kernel the warm-up then needs: in a fresh process with an empty Triton cache, the warm-up after it compiles
+    nothing, and the dry pass leaves the slot state as it found it."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), GLMASR_CACHE_DIR=str(tmp_path / "glmasr"))
+    res = subprocess.run([sys.executable, "-c", _COMPILE_AHEAD_PROBE, str(tiny_shipped)], capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["active"] and out["restored"], out
+    assert out["compiled_after"] == [], out

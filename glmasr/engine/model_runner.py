@@ -341,13 +341,50 @@ class ModelRunner:
 
     # ---- warm-up ----
     @torch.inference_mode()
+    def compile_kernels(self, batch_sizes=None, kv_lens=None, prefill_lengths=None, encoder_windows=()) -> bool:
+        """Compile the Triton kernels of the paths ``warmup`` takes, all at once on a thread pool (a dry pass:
+        ``compile_ahead`` turns this thread's launches into compiles); False where there is nothing to do (the
+        CPU, the interpreter). The slot state the dry decode steps touch is restored."""
+        from glmasr_kernels._triton_utils import compile_ahead
+
+        if not self.use_graphs:
+            return False
+        state = (self.tokens, self.positions, self.active, self.remaining, self.status, self.stop_token, self.out,
+                 self.out_logprob, self.step_index)
+        saved = [t.clone() for t in state]
+        with compile_ahead() as active:
+            if active:
+                encode = getattr(self.model, "_encode_eager", self.model.encode_audio)
+                for w in encoder_windows:
+                    encode(torch.zeros(w, self.cfg.audio.num_mel_bins, 3000, device=self.device))
+                row = torch.zeros(1, dtype=torch.long, device=self.device)
+                for bkt in sorted({bucket(n, PREFILL_BUCKETS) for n in (prefill_lengths or ())}):
+                    if bkt <= self.capacity:
+                        embeds = torch.zeros(1, bkt, self.cfg.text.hidden_size, device=self.device,
+                                             dtype=self.model.dtype)
+                        hidden = self.model.decode(embeds, torch.arange(bkt, device=self.device)[None], self.cache,
+                                                   kv_len=bkt, rows=row)
+                        greedy_pick(self.model.logits(hidden[0, -1:]))
+                for b in sorted({bucket(n, self.buckets) for n in (batch_sizes or (1,))}):
+                    for kv in sorted({kv_bucket(n, self.capacity) for n in (kv_lens or (MIN_KV_BUCKET,))}):
+                        self._decode_step(b, kv)
+        for t, s in zip(state, saved):
+            t.copy_(s)
+        return active
+
+    @torch.inference_mode()
     def warmup(self, batch_sizes=None, kv_lens=None, prefill_lengths=None, encoder_windows=()) -> dict:
         """Capture the encoder graphs for ``encoder_windows`` buckets, the decode graphs for ``batch_sizes`` x
-        ``kv_lens`` buckets and the prefill graphs for ``prefill_lengths`` buckets now (compiling their kernels),
-        so no request pays for it; ms per stage. Needs an idle engine (it writes slot 0's cache row)."""
+        ``kv_lens`` buckets and the prefill graphs for ``prefill_lengths`` buckets now (their kernels compiled
+        first, all at once: ``compile_kernels``), so no request pays for it; ms per stage. Needs an idle engine
+        (it writes slot 0's cache row)."""
         timings = {}
         if not self.use_graphs:
             return timings
+        t0 = time.perf_counter()
+        self.compile_kernels(batch_sizes, kv_lens, prefill_lengths, encoder_windows)
+        torch.cuda.synchronize(self.device)
+        timings["kernel_compiles_ms"] = 1e3 * (time.perf_counter() - t0)
         t0 = time.perf_counter()
         for w in encoder_windows:  # features need not be real: only the kernels and graphs are wanted here
             self.model.encode_audio(torch.zeros(w, self.cfg.audio.num_mel_bins, 3000, device=self.device))
