@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -42,11 +40,11 @@ from typing import Callable, Iterable, Iterator
 
 from ..options import DecodeOptions
 from ..results import Transcription
+from .process import cores, describe_exit, start_worker
 from .worker import WorkerSpec, worker_main
 
 DEFAULT_IN_FLIGHT = {"cuda": 16, "cpu": 4}
 IDLE_DEATHS = 2  # deaths holding no file (e.g. killed while loading) a slot survives before it is given up
-_ENV_LOCK = threading.Lock()
 
 
 class WorkerStartError(RuntimeError):
@@ -83,24 +81,6 @@ def parse_devices(devices) -> list[str]:
     for d in devices:
         resolve_device(d)  # unknown names and missing GPUs fail here, in the caller
     return devices
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "exit status unknown"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
 
 
 class _Task:
@@ -172,7 +152,7 @@ class DevicePool:
         self.engine_options = {k: v for k, v in engine_options.items() if v is not None}
         self._hooks = dict(_test_hooks or {})
         self._ctx = tmp.get_context("spawn")
-        per = max(1, _cores() // len(self.devices)) if threads is None else int(threads)
+        per = max(1, cores() // len(self.devices)) if threads is None else int(threads)
         self._slots = []
         for i, d in enumerate(self.devices):
             kind = "cuda" if d.startswith("cuda") else "cpu"
@@ -189,35 +169,12 @@ class DevicePool:
 
     # ---- processes ----
     def _start(self, s: _Slot) -> None:
-        tasks_r, tasks_w = self._ctx.Pipe(duplex=False)
-        results_r, results_w = self._ctx.Pipe(duplex=False)
-        device = s.device
-        env = None
-        if device.startswith("cuda"):
-            index = int(device.split(":", 1)[1]) if ":" in device else 0
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            ids = [x.strip() for x in visible.split(",") if x.strip()] if visible else None
-            env = ids[index] if ids is not None and index < len(ids) else str(index)
-            device = "cuda:0"
-        spec = WorkerSpec(slot=s.slot, device=device, model=self.model, dtype=self.dtype,
-                          engine_options=self.engine_options, decode=self.decode, in_flight=s.capacity,
-                          threads=s.threads, hooks=self._hooks)
-        p = self._ctx.Process(target=worker_main, args=(spec, tasks_r, results_w), daemon=True,
-                              name=f"glmasr-worker{s.slot}")
-        with _ENV_LOCK:  # the child inherits the environment at exec: it sees only its GPU from the start
-            old = os.environ.get("CUDA_VISIBLE_DEVICES")
-            try:
-                if env is not None:
-                    os.environ["CUDA_VISIBLE_DEVICES"] = env
-                p.start()
-            finally:
-                if env is not None:
-                    if old is None:
-                        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-                    else:
-                        os.environ["CUDA_VISIBLE_DEVICES"] = old
-        tasks_r.close()
-        results_w.close()
+        def args(device):
+            return (WorkerSpec(slot=s.slot, device=device, model=self.model, dtype=self.dtype,
+                               engine_options=self.engine_options, decode=self.decode, in_flight=s.capacity,
+                               threads=s.threads, hooks=self._hooks),)
+
+        p, tasks_w, results_r = start_worker(self._ctx, worker_main, s.device, args, f"glmasr-worker{s.slot}")
         s.process, s.tasks, s.results = p, tasks_w, results_r
         s.state, s.started_at, s.killed_for, s.info = "starting", time.monotonic(), None, {}
         s.isolated = s.draining = False
@@ -416,7 +373,7 @@ class DevicePool:
     def _on_death(self, s: _Slot, tasks, suspects: deque) -> list[FileResult]:
         s.process.join(5.0)
         code = s.process.exitcode
-        why = s.killed_for or _describe_exit(code)
+        why = s.killed_for or describe_exit(code)
         for c in (s.tasks, s.results):
             c.close()
         held, s.inflight = list(s.inflight), {}

@@ -20,6 +20,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from .process import load_model
+
 # exit status of a worker killed by the test hook ``crash_on`` (what a segfault or an OOM kill looks like to the
 # parent: the process is gone, with its files in flight)
 CRASH_EXIT_CODE = 70
@@ -51,14 +53,9 @@ def worker_main(spec: WorkerSpec, tasks, results) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the workers
     t0 = time.perf_counter()
     try:
-        import torch
-
         import glmasr
-        from glmasr import audio as audio_mod
 
-        torch.set_num_threads(spec.threads)
-        audio_mod.AUDIO_THREADS = spec.threads  # decoding/resampling threads of one long file
-        asr = glmasr.load(spec.model, device=spec.device, dtype=spec.dtype, **spec.engine_options)
+        asr = load_model(spec.device, spec.model, spec.dtype, spec.engine_options, spec.threads)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
         try:
             send(("start_failed", f"{type(e).__name__}: {e}"))

@@ -1,6 +1,7 @@
 """The HTTP layer: FastAPI routes, bearer-key auth, upload limits, admission, metrics, warm-up and health.
 
-    app = create_app(asr, ServerConfig(api_key="KEY"))     # asr: a loaded glmasr.GlmAsr
+    app = create_app(asr, ServerConfig(api_key="KEY"))     # asr: a loaded glmasr.GlmAsr (one in-process engine)
+    app = create_app(DataParallelEngineClient(["cuda:0", "cuda:1"], model=folder), config)   # N engine processes
     uvicorn.run(app, host="127.0.0.1", port=8000)         # or: glmasr serve --model ... (cli.py)
 
 Routes: ``POST /v1/audio/transcriptions`` (``protocol``'s docstring has the fields and formats), ``GET /v1/models``,
@@ -13,7 +14,12 @@ Limits (``ServerConfig``): the upload (``max_upload_bytes``, default 25 MiB: a l
 body is counted while it is read and refused once it exceeds the limit plus 1 MiB for the other form fields),
 the decoded duration (``max_audio_s``, enforced while decoding: 413 naming the limit), and the requests inside the
 server at once (``max_queue``: reading, decoding, queued or running; one more is a 429 with ``Retry-After``;
-default 4 x the engine's slots). Transcription requests that arrive before the warm-up has finished get a 503.
+default 4 x the engines' slots). Transcription requests that arrive before the warm-up has finished get a 503.
+
+With engine workers (``data_parallel``), ``/health`` lists them (``workers``: state, pid, in-flight requests and
+audio seconds, counters) and its ``status`` is "warming_up" (503) until every worker has loaded and warmed up,
+then "ok" (200) while every worker is ready, "degraded" (200: the ready workers take every request) while some
+worker is restarting or was given up, and "unavailable" (503) when none is ready.
 """
 
 from __future__ import annotations
@@ -30,8 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from .. import writers
-from ..options import DecodeOptions
 from . import protocol
+from .engine_client import WARMUPS, EngineClient, LocalEngineClient
 from .metrics import Metrics, outcome_for
 from .protocol import APIError, bad_request
 from .serving import Admission, ClientGone, TranscriptionService
@@ -39,15 +45,16 @@ from .serving import Admission, ClientGone, TranscriptionService
 MIB = 1024 * 1024
 FORM_OVERHEAD = MIB  # bytes allowed in the body beyond the file: the other fields and the multipart framing
 DRAIN_LIMIT = 64 * MIB  # an oversized body is read (and dropped) up to this much, so the client sees the 413
-WARMUPS = ("full", "request", "none")
 
 
 @dataclass
 class ServerConfig:
     """served_names: the names ``model`` may take (default: ``DEFAULT_MODEL_NAME`` and the checkpoint folder's
-    name); api_key: None = no auth; max_audio_s: None/0 = no limit; max_queue: None = 4 x max_batch; warmup:
-    "full" (``GlmAsr.warmup``: every kernel and graph a server needs), "request" (one short request), "none";
-    close_engine: close the handle's engine when the app shuts down (after the in-flight requests)."""
+    name); api_key: None = no auth; max_audio_s: None/0 = no limit; max_queue: None = 4 x the engines' slots
+    (max_batch, summed over the engine workers); warmup: "full" (``GlmAsr.warmup``: every kernel and graph a server
+    needs), "request" (one short request), "none" (each engine worker does it before it reports ready);
+    close_engine: close the engine (stop the engine workers) when the app shuts down (after the in-flight
+    requests)."""
 
     served_names: tuple[str, ...] = ()
     api_key: str | None = None
@@ -68,6 +75,7 @@ class ServerConfig:
 
 
 def served_names(asr, extra=()) -> tuple[str, ...]:
+    """The default name, the checkpoint folder's name (``asr``: a ``GlmAsr`` or an engine client) and ``extra``."""
     names = [protocol.DEFAULT_MODEL_NAME, asr.folder.name, *extra]
     out = []
     for n in names:
@@ -129,26 +137,23 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
+    """``asr``: a loaded ``GlmAsr`` (served by its in-process engine) or an ``EngineClient``."""
     config = config or ServerConfig()
-    names = config.served_names or served_names(asr)
+    engine = asr if isinstance(asr, EngineClient) else LocalEngineClient(asr)
+    names = config.served_names or served_names(engine)
     lookup = {n.lower(): n for n in names}
-    max_queue = config.max_queue or 4 * asr.options.max_batch
+    max_queue = config.max_queue or 4 * engine.slots
     state = ServerState()
-    metrics = Metrics(engine_pending=lambda: asr.loop.num_pending if asr._loop is not None else 0)
+    metrics = Metrics(engine_pending=lambda: engine.num_pending,
+                      workers=engine.workers if engine.workers() is not None else None)
     admission = Admission(max_queue, metrics)
-    service = TranscriptionService(asr, metrics, config.max_audio_s)
+    service = TranscriptionService(engine, metrics, config.max_audio_s)
 
     def warm() -> None:
         t = time.perf_counter()
-        if config.warmup == "full":
-            state.warmup_ms = asr.warmup()
-        elif config.warmup == "request":
-            import numpy as np
-
-            noise = (np.random.default_rng(0).standard_normal(16000) * 0.1).astype(np.float32)
-            asr.submit(noise, DecodeOptions(max_new_tokens=8), sampling_rate=16000).result()
+        state.warmup_ms = engine.warmup(config.warmup)
         if config.warmup != "none":
-            try:  # the VAD of chunking_strategy (CPU), if this install has it: loaded now, not by a first request
+            try:  # the VAD of chunking_strategy (CPU, in this process), if this install has it: loaded now
                 from ..vad import load_vad
 
                 load_vad("cpu")
@@ -173,14 +178,15 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
             if not task.done():
                 await asyncio.wait({task}, timeout=60)
             if config.close_engine:
-                await asyncio.to_thread(asr.close)
+                await asyncio.to_thread(engine.close)
 
     app = FastAPI(title="glmasr", summary="OpenAI-compatible transcription server for GLM-ASR-Nano-2512",
                   lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.glmasr = state
     app.state.metrics = metrics
     app.state.admission = admission
-    app.state.asr = asr
+    app.state.engine = engine
+    app.state.asr = getattr(engine, "asr", None)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -222,11 +228,17 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        body = {"status": "ok" if state.ready else ("error" if state.warmup_error else "warming_up"),
-                "models": list(names), "in_flight": admission.active, "max_queue": max_queue}
+        status = "ok" if state.ready else ("error" if state.warmup_error else "warming_up")
+        workers = engine.workers()
+        if workers is not None and state.ready:
+            up = sum(w["state"] == "ready" for w in workers)
+            status = "ok" if up == len(workers) else ("degraded" if up else "unavailable")
+        body = {"status": status, "models": list(names), "in_flight": admission.active, "max_queue": max_queue}
         if state.warmup_error:
             body["error"] = state.warmup_error
-        return JSONResponse(body, status_code=200 if state.ready else 503)
+        if workers is not None:
+            body["workers"] = workers
+        return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
 
     @app.get("/metrics")
     async def get_metrics():
@@ -268,7 +280,7 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
             async def body():
                 async for chunk in service.events(started, req):
                     yield chunk
-                status["outcome"] = "ok" if started.job.assembler.result is not None else "error"
+                status["outcome"] = "ok" if started.job.result is not None else "error"
 
             def on_close():
                 started.job.abort()

@@ -11,13 +11,28 @@
 | glmasr_time_to_first_token_seconds | histogram | request received -> first tokens back from the engine |
 | glmasr_request_latency_seconds{stream} | histogram | request received -> last byte of the answer produced |
 
-Outcomes: ok, bad_request, unauthorized, not_found, too_large, rejected (queue full), unavailable (warming up or
-shutting down), aborted (the client went away), error.
+Outcomes: ok, bad_request, unauthorized, not_found, too_large, rejected (queue full), unavailable (warming up,
+shutting down, or the engine worker holding it died), aborted (the client went away), error.
+
+With engine worker processes (``--data-parallel``), per worker, labels ``worker`` (its slot: 0..N-1) and
+``device`` (as given in ``--devices``), read from the engine client at each scrape:
+
+| metric | kind | meaning |
+|---|---|---|
+| glmasr_worker_up{worker,device} | gauge | 1 while the worker is loaded, warmed up and taking requests |
+| glmasr_worker_in_flight_requests{worker,device} | gauge | requests routed to it that it still holds |
+| glmasr_worker_in_flight_audio_seconds{worker,device} | gauge | their audio seconds (what routing balances) |
+| glmasr_worker_requests_total{worker,device} | counter | requests routed to it |
+| glmasr_worker_failures_total{worker,device} | counter | requests that failed there (an engine error, or its death) |
+| glmasr_worker_restarts_total{worker,device} | counter | times its process died and was restarted |
+
+The aggregate series above stay (``glmasr_engine_pending_requests`` is the sum of the workers' in-flight).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 OUTCOMES = ("ok", "bad_request", "unauthorized", "not_found", "too_large", "rejected", "unavailable", "aborted",
@@ -33,7 +48,7 @@ def outcome_for(status: int) -> str:
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine_pending=lambda: 0):
+    def __init__(self, engine_pending=lambda: 0, workers=None):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("glmasr_requests", "Finished transcription requests by outcome", ["outcome"],
                                 registry=r)
@@ -53,6 +68,37 @@ class Metrics:
                                  ["stream"], buckets=_BUCKETS, registry=r)
         for v in ("true", "false"):
             self.latency.labels(v)
+        if workers is not None:
+            r.register(_WorkerCollector(workers))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _WorkerCollector:
+    """The per-worker series, from ``workers()`` (``EngineClient.workers``) at each scrape."""
+
+    def __init__(self, workers):
+        self._workers = workers
+
+    def collect(self):
+        labels = ["worker", "device"]
+        up = GaugeMetricFamily("glmasr_worker_up", "1 while the engine worker takes requests", labels=labels)
+        held = GaugeMetricFamily("glmasr_worker_in_flight_requests", "Requests the engine worker holds",
+                                 labels=labels)
+        audio = GaugeMetricFamily("glmasr_worker_in_flight_audio_seconds",
+                                  "Audio seconds of the requests the engine worker holds", labels=labels)
+        routed = CounterMetricFamily("glmasr_worker_requests", "Requests routed to the engine worker", labels=labels)
+        failed = CounterMetricFamily("glmasr_worker_failures", "Requests that failed on the engine worker",
+                                     labels=labels)
+        restarts = CounterMetricFamily("glmasr_worker_restarts", "Restarts of the engine worker's process",
+                                       labels=labels)
+        for w in self._workers():
+            key = [str(w["worker"]), w["device"]]
+            up.add_metric(key, 1.0 if w["state"] == "ready" else 0.0)
+            held.add_metric(key, w["in_flight"])
+            audio.add_metric(key, w["in_flight_audio_s"])
+            routed.add_metric(key, w["requests"])
+            failed.add_metric(key, w["failures"])
+            restarts.add_metric(key, w["restarts"])
+        yield from (up, held, audio, routed, failed, restarts)

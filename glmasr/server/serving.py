@@ -1,11 +1,12 @@
-"""Transcription over a shared ``GlmAsr`` handle, for the HTTP layer (``app.py``).
+"""Transcription over an engine client (``engine_client.py``: the shared in-process ``GlmAsr`` engine, or the
+engine worker processes of ``--data-parallel``), for the HTTP layer (``app.py``).
 
 Per request: admission into a bounded set of in-flight requests (``Admission``; full = 429), the upload decoded
 with the duration limit enforced while decoding (``decode_upload``), planned and submitted to the engine, all of it
 in a worker thread (``asyncio.to_thread``; the event loop never decodes or plans), then the engine's outputs
-consumed with the async API (``job.aresult()`` / ``job.adeltas()``). A client that goes away aborts its engine
-request: a streamed answer through the cancellation of its body iterator (and, whatever happens, when the response
-object is done), a plain one by a watcher on the connection's ``http.disconnect``.
+consumed with the async API (``request.aresult()`` / ``request.adeltas()``). A client that goes away aborts its
+engine request: a streamed answer through the cancellation of its body iterator (and, whatever happens, when the
+response object is done), a plain one by a watcher on the connection's ``http.disconnect``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..audio import Audio, AudioDecodeError, AudioError, AudioTooLongError, deco
 from ..engine.loop import EngineClosed, EngineError
 from ..options import DecodeOptions
 from . import protocol
+from .engine_client import EngineRequest, EngineUnavailable
 from .metrics import Metrics
 from .protocol import APIError, TranscriptionRequest, bad_request
 
@@ -92,15 +94,27 @@ class Ticket:
 class Started:
     """A request submitted to the engine."""
 
-    job: object  # TranscriptionJob
+    job: EngineRequest
     audio: Audio
     t0: float  # request received (perf_counter)
-    first_token: list  # [perf_counter of the first engine output] once it came
+
+
+def _submission_error(e: BaseException) -> APIError | None:
+    """The answer to a request the engine could not take (None: not such an error)."""
+    if isinstance(e, EngineClosed):
+        return APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+    if isinstance(e, EngineUnavailable):
+        return APIError(503, str(e), type="server_error", code=e.code, headers={"Retry-After": "1"})
+    if isinstance(e, AudioError):  # too short for one audio token
+        return bad_request(str(e), "file", "invalid_audio")
+    if isinstance(e, ValueError):  # the prompt leaves no room for the audio
+        return bad_request(str(e), "prompt")
+    return None
 
 
 class TranscriptionService:
-    def __init__(self, asr, metrics: Metrics, max_audio_s: float | None):
-        self.asr = asr
+    def __init__(self, engine, metrics: Metrics, max_audio_s: float | None):
+        self.engine = engine  # an EngineClient
         self.metrics = metrics
         self.max_audio_s = max_audio_s
 
@@ -110,42 +124,41 @@ class TranscriptionService:
         audio_ms = 1e3 * (time.perf_counter() - t_audio)
         pieces = None if req.vad is None else vad_pieces(audio, req.vad)
         try:
-            decode = DecodeOptions(prompt=req.instruction)
-            job = self.asr.submit_loaded(audio, decode, 0, t0, audio_ms, pieces=pieces)
-        except EngineClosed:
-            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down") from None
-        except AudioError as e:  # too short for one audio token
-            raise bad_request(str(e), "file", "invalid_audio") from None
-        except ValueError as e:  # the prompt leaves no room for the audio
-            raise bad_request(str(e), "prompt") from None
-        first: list = []
-        stream = job.stream
-        calls = [0]
-
-        def on_output():  # on the engine thread as each output arrives, and once at once from set_listener
-            calls[0] += 1
-            if not first and (calls[0] > 1 or getattr(stream, "_items", None)):
-                first.append(time.perf_counter())
-        stream.set_listener(on_output)
-        return Started(job, audio, t0, first)
+            job = self.engine.submit(audio, DecodeOptions(prompt=req.instruction), t0, audio_ms, pieces,
+                                     req.stream)
+        except Exception as e:
+            err = _submission_error(e)
+            if err is None:
+                raise
+            raise err from None
+        return Started(job, audio, t0)
 
     async def start(self, req: TranscriptionRequest, t0: float) -> Started:
-        """Decode, plan and submit in a worker thread. If the caller is cancelled meanwhile, the job that the
-        thread still submits is aborted as soon as it exists."""
+        """Decode, plan and submit in a worker thread, then wait until the engine has taken it. If the caller is
+        cancelled meanwhile, the job that the thread still submits is aborted as soon as it exists."""
         fut = asyncio.get_running_loop().run_in_executor(None, self._prepare, req, t0)
         try:
-            return await asyncio.shield(fut)
+            started = await asyncio.shield(fut)
         except asyncio.CancelledError:
             fut.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().job.abort())
             raise
+        try:
+            await started.job.started()
+        except BaseException as e:
+            started.job.abort()
+            err = _submission_error(e) if isinstance(e, Exception) else None
+            if err is None:
+                raise
+            raise err from None
+        return started
 
     def _account(self, started: Started, result) -> None:
         m = self.metrics
         m.audio_seconds.inc(started.audio.duration_s)
         m.generated_tokens.inc(len(result.token_ids))
-        m.prompt_tokens.inc(prompt_tokens(started.job))
-        if started.first_token:
-            m.ttft.observe(started.first_token[0] - started.t0)
+        m.prompt_tokens.inc(started.job.prompt_tokens)
+        if started.job.first_output_at is not None:
+            m.ttft.observe(started.job.first_output_at - started.t0)
 
     async def transcribe(self, started: Started, disconnected) -> object:
         """The ``Transcription`` of a submitted request; aborts it (and raises ``ClientGone``) when the awaitable
@@ -160,6 +173,9 @@ class TranscriptionService:
                 raise ClientGone()
             try:
                 result = result_task.result()
+            except EngineUnavailable as e:  # the engine worker holding it died
+                raise APIError(503, f"transcription failed: {e}", type="server_error", code=e.code,
+                               headers={"Retry-After": "1"}) from None
             except EngineError as e:
                 raise APIError(500, f"transcription failed: {e}", type="server_error", code="engine_error") from None
             except RuntimeError as e:  # aborted underneath us (shutdown)
@@ -190,8 +206,10 @@ class TranscriptionService:
                 yield protocol.error_event("transcription was aborted", code="aborted")
                 return
             self._account(started, result)
-            yield protocol.done_event(result.text, prompt_tokens(job), len(result.token_ids))
+            yield protocol.done_event(result.text, job.prompt_tokens, len(result.token_ids))
             yield protocol.sse("[DONE]")
+        except EngineUnavailable as e:
+            yield protocol.error_event(f"transcription failed: {e}", code=e.code)
         except EngineError as e:
             yield protocol.error_event(f"transcription failed: {e}", code="engine_error")
         finally:
@@ -201,6 +219,3 @@ class TranscriptionService:
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
-
-def prompt_tokens(job) -> int:
-    return sum(len(p.prompt_ids) for p in job.assembler.plans)
