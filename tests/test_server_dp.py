@@ -502,3 +502,34 @@ def test_live_data_parallel_server_serves_and_sigterm_drains_the_workers(tiny_sh
             proc.kill()
             proc.wait(10)
         log.close()
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (runs on the device)")
+def test_two_gpu_workers_sharing_cuda0_equal_the_single_engine_server(tiny_shipped, clips):
+    """On the GPU: two engine workers on cuda:0 behind one front end answer concurrent clients with exactly the
+    texts and tokens of the single-engine CUDA server, and both get work. fp32 on both sides: in bf16 the
+    requests batched beside a clip (which differ between the two servers) may change its logits' last bits."""
+    handle = glmasr.load(tiny_shipped, device="cuda", dtype="float32", max_batch=8)
+    engine = DataParallelEngineClient(["cuda:0", "cuda:0"], model=tiny_shipped, dtype="float32", max_batch=8,
+                                      drain_timeout_s=10)
+    names = ["a.wav", "b.flac", "c.ogg", "d.wav"] + [f"k{i}.wav" for i in range(8)]
+    try:
+        ref_app = create_app(handle, ServerConfig(api_key=KEY, close_engine=False, warmup="none"))
+        with TestClient(ref_app, base_url="http://testserver") as ref:
+            want = {n: post(ref, {"model": MODEL, "response_format": "verbose_json"}, {"file": (n, clips[n])}).json()
+                    for n in names}
+        app = create_app(engine, ServerConfig(api_key=KEY, close_engine=False, warmup="request"))
+        with TestClient(app, base_url="http://testserver") as tc:
+            wait_for(lambda: tc.get("/health").status_code == 200, 300, "the GPU engine workers", 0.1)
+            with ThreadPoolExecutor(len(names)) as pool:
+                got = dict(zip(names, pool.map(
+                    lambda n: post(tc, {"model": MODEL, "response_format": "verbose_json"},
+                                   {"file": (n, clips[n])}).json(), names)))
+            requests = [w.get("requests", 0) for w in tc.get("/health").json()["workers"]]
+        for n in names:
+            assert got[n]["text"] == want[n]["text"], n
+            assert [s["tokens"] for s in got[n]["segments"]] == [s["tokens"] for s in want[n]["segments"]], n
+        assert len(requests) == 2 and all(r > 0 for r in requests), requests
+    finally:
+        engine.close(timeout=30)
+        handle.close()
