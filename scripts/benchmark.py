@@ -29,7 +29,7 @@ from glmasr.engine.engine import Engine  # noqa: E402
 from glmasr.random_checkpoint import ensure_full_size_checkpoint  # noqa: E402
 
 SECTIONS = ("latency", "decode", "encoder", "throughput", "breakdown", "coldstart", "serve", "longform")
-# serve (the server under load, scripts/bench/serve_load.py, ~4 min) and longform (an hour of mp3 to SRT,
+# serve (the server under load, 20 s per concurrency level, scripts/bench/serve_load.py, ~3 min) and longform (an hour of mp3 to SRT,
 # scripts/bench/longform.py, ~1-2 min) run when asked for (--only): with them the whole run passes one device call.
 DEFAULT_SECTIONS = ("latency", "decode", "encoder", "throughput", "breakdown", "coldstart")
 # --smoke: every section at toy sizes on the tiny random checkpoint, on the CPU (Triton interpreter) or a GPU,
@@ -593,7 +593,7 @@ def section_serve(asr, folder: Path, quick: bool, out: Path):
         return serve_load.run(asr, folder, levels=(1, 2), seconds=2.0, num_clips=2, device=DEV, grace=120.0,
                               out_dir=out)
     levels = (1, 8, 64) if quick else (1, 8, 64, 256)
-    return serve_load.run(asr, folder, levels=levels, seconds=10.0 if quick else 30.0, device=DEV, out_dir=out)
+    return serve_load.run(asr, folder, levels=levels, seconds=10.0 if quick else 20.0, device=DEV, out_dir=out)
 
 
 def section_longform(asr, quick: bool, out: Path):
