@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -66,3 +68,22 @@ def nan_kv_cache(monkeypatch):
                 asr._engine.runner.cache.v.fill_(float("nan"))
 
     return poison
+
+
+def bounded(fn, timeout: float):
+    """``fn()`` in a daemon thread, waited for at most ``timeout`` s: a hang fails the test, not the suite."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"did not finish within {timeout} s"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

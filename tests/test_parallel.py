@@ -4,7 +4,6 @@ reported failed. Every wait is bounded (``_bounded``)."""
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
@@ -14,28 +13,14 @@ import glmasr
 from glmasr import cli
 from glmasr.parallel import DevicePool, WorkerStartError, parse_devices, transcribe_files
 
-from conftest import noise
+from conftest import bounded, noise
 
 TOKENS = 4
 LIMIT_S = 120  # any one test's pool work; a hang fails the test instead of the suite
 
 
 def _bounded(fn, timeout=LIMIT_S):
-    box = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            box["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), f"did not finish within {timeout} s"
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    return bounded(fn, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ import soundfile as sf
 
 import glmasr
 
-from conftest import noise
+from conftest import bounded, noise
 
 pa = pytest.importorskip("pyarrow", reason="pyarrow is not installed (pip install 'glmasr[ray]')")
 
@@ -26,21 +25,7 @@ LIMIT_S = 180
 
 
 def _bounded(fn, timeout=LIMIT_S):
-    box = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            box["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), f"did not finish within {timeout} s"
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    return bounded(fn, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ from glmasr.options import DecodeOptions  # noqa: E402
 from glmasr.server import ServerConfig, create_app  # noqa: E402
 from glmasr.tokenizer import build_instruction  # noqa: E402
 
+from asgi_client import DisconnectingUpload  # noqa: E402
 from conftest import noise  # noqa: E402
 
 KEY = "test-key"
@@ -525,29 +526,12 @@ def test_disconnect_aborts_the_engine_request(asr, clips, stream):
     restore = _slow_steps(asr, 0.2)
 
     async def run():
-        sent, gone = [], asyncio.Event()
-        state = {"body_sent": False}
-
-        async def receive():
-            if not state["body_sent"]:
-                state["body_sent"] = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await gone.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message):
-            sent.append(message)
-            if message["type"] == "http.response.body" and b"transcript.text.delta" in message.get("body", b""):
-                gone.set()
-
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                 "scheme": "http", "path": "/v1/audio/transcriptions", "raw_path": b"/v1/audio/transcriptions",
-                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("testserver", 80),
-                 "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]}
+        upload = DisconnectingUpload(body, ctype)
+        gone = upload.gone
         async with app.router.lifespan_context(app):
             while not app.state.glmasr.ready:
                 await asyncio.sleep(0.01)
-            task = asyncio.create_task(app(scope, receive, send))
+            task = upload.start(app)
             if not stream:  # disconnect once the engine is decoding it
                 while not asr.engine.has_unfinished():
                     await asyncio.sleep(0.01)
@@ -557,7 +541,7 @@ def test_disconnect_aborts_the_engine_request(asr, clips, stream):
             t_gone = time.monotonic()
             await asyncio.wait_for(task, 10)
             idle_after = await asyncio.to_thread(_wait_idle, asr)
-            return sent, time.monotonic() - t_gone, idle_after
+            return upload.sent, time.monotonic() - t_gone, idle_after
 
     try:
         before = asr.engine  # the slowed engine object must be the one serving

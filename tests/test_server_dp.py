@@ -37,6 +37,7 @@ from glmasr.server import ServerConfig, create_app  # noqa: E402
 from glmasr.server import cli as server_cli  # noqa: E402
 from glmasr.server.data_parallel import DataParallelEngineClient  # noqa: E402
 
+from asgi_client import DisconnectingUpload  # noqa: E402
 from conftest import noise  # noqa: E402
 
 KEY = "test-key"
@@ -368,28 +369,11 @@ def test_disconnect_aborts_the_request_in_its_worker(dp, clips, stream):
         return sum(w["in_flight"] for w in engine.workers())
 
     async def run():
-        sent, gone = [], asyncio.Event()
-        state = {"body_sent": False}
-
-        async def receive():
-            if not state["body_sent"]:
-                state["body_sent"] = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await gone.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message):
-            sent.append(message)
-            if message["type"] == "http.response.body" and b"transcript.text.delta" in message.get("body", b""):
-                gone.set()
-
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                 "scheme": "http", "path": "/v1/audio/transcriptions", "raw_path": b"/v1/audio/transcriptions",
-                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("testserver", 80),
-                 "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]}
+        upload = DisconnectingUpload(body, ctype)
+        gone = upload.gone
         async with app.router.lifespan_context(app):
             await asyncio.wait_for(_until(lambda: app.state.glmasr.ready), 30)
-            task = asyncio.create_task(app(scope, receive, send))
+            task = upload.start(app)
             if not stream:  # disconnect once a worker is decoding it
                 await asyncio.wait_for(_until(lambda: held() == 1), 20)
                 await asyncio.sleep(0.5)
@@ -398,7 +382,7 @@ def test_disconnect_aborts_the_request_in_its_worker(dp, clips, stream):
             t_gone = time.monotonic()
             await asyncio.wait_for(task, 10)
             await asyncio.wait_for(_until(lambda: held() == 0), 5)
-            return sent, time.monotonic() - t_gone
+            return upload.sent, time.monotonic() - t_gone
 
     with dp.slow():
         sent, elapsed = asyncio.run(run())
