@@ -20,7 +20,8 @@ context, i.e. an input row of 576 samples:
 The state is (2, N, 128) (h and c stacked), as the ONNX model has it; N independent streams run as one batch.
 Everything before the LSTM cell depends on the window alone, so it is computed for all windows of a recording in
 large batches; the sequential part is the LSTM cell (its input projection is also precomputed for all windows),
-and the decoder runs once over all hidden states at the end.
+and the decoder runs once over all hidden states at the end. On CUDA the recurrence is one Triton launch
+(``glmasr_kernels.lstm_cell``; the torch loop in ``_recurrence`` stays as the reference and the CPU path).
 
 Long recordings can be split into ``streams`` contiguous pieces that run as one batch, window by window, with
 the state handed from each piece to the next over a few passes (see ``speech_probabilities``).
@@ -202,6 +203,17 @@ class SileroVad(torch.nn.Module):
         h = torch.sigmoid(o) * torch.tanh(c)
         return h, c
 
+    def weight_hh_columns(self) -> torch.Tensor:
+        """W_hh (512, 128) stored column-major (``W_hh.t()`` contiguous), the layout the LSTM kernel reads fastest;
+        made once per device."""
+        w = self.lstm_cell_weight_hh
+        key = (w.data_ptr(), w.device)  # redone after .to() (inference tensors have no version counter)
+        cached = getattr(self, "_w_hh_columns", None)
+        if cached is None or cached[0] != key:
+            cached = (key, w.t().contiguous().t())
+            self._w_hh_columns = cached
+        return cached[1]
+
     def decode(self, h: torch.Tensor) -> torch.Tensor:
         """Hidden states (..., 128) -> speech probabilities (...)."""
         w = self.final_conv_weight.reshape(1, STATE_SIZE)
@@ -360,6 +372,10 @@ def _recurrence(model: SileroVad, g: torch.Tensor, keep: torch.Tensor | None,
         c = g.new_zeros(s, STATE_SIZE)
     else:
         h, c = state
+    lstm_sequence = _lstm_kernel(g.device)
+    if lstm_sequence is not None:  # all steps in one launch (the loop below is the reference)
+        hs, h, c = lstm_sequence(g, h, c, model.weight_hh_columns(), keep=keep)
+        return hs, (h, c)
     before = 0 if keep is None else keep.shape[0]
     hs = g.new_empty(steps, s, STATE_SIZE)
     for t in range(steps):
@@ -369,6 +385,27 @@ def _recurrence(model: SileroVad, g: torch.Tensor, keep: torch.Tensor | None,
             c = c * keep[t]
         hs[t] = h
     return hs, (h, c)
+
+
+# On CUDA the recurrence runs as one Triton kernel (glmasr_kernels.lstm_cell) when Triton is importable; False
+# forces the torch loop of _recurrence (the reference; the tests compare the two).
+TRITON_LSTM = True
+
+
+@functools.lru_cache(maxsize=1)
+def _import_lstm_sequence():
+    try:
+        from glmasr_kernels.lstm_cell import lstm_sequence, triton
+    except ImportError:
+        return None
+    return lstm_sequence if triton is not None else None
+
+
+def _lstm_kernel(device: torch.device):
+    """``lstm_sequence`` where it should run (CUDA, Triton importable, TRITON_LSTM on), else None."""
+    if not TRITON_LSTM or device.type != "cuda":
+        return None
+    return _import_lstm_sequence()
 
 
 # The network's probability lags the audio at the end of speech: it stays above the threshold for about two

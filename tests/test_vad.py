@@ -379,6 +379,57 @@ def test_cuda_matches_cpu(long_recording):
           f"{len(pieces)} pieces")
 
 
+def test_lstm_kernel_path_on_cpu_interpreter(monkeypatch):
+    """The Triton recurrence wired into speech_probabilities (keep mask, state handed between passes, the
+    one-stream path), run on the CPU under Triton's interpreter with the real weights, against the torch loop.
+    Only under TRITON_INTERPRET=1 (CI); on a GPU test_cuda_lstm_kernel_matches_torch_loop covers it."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("needs TRITON_INTERPRET=1 (the kernel on the CPU)")
+    lstm_cell = pytest.importorskip("glmasr_kernels.lstm_cell")
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal(4 * SR) * np.repeat(rng.uniform(0.01, 0.3, 8), SR // 2)).astype(np.float32)
+    ref2 = vad.speech_probabilities(x, device="cpu", streams=2, passes=2, warmup_s=0.5)
+    ref1 = vad.speech_probabilities(x[: SR], device="cpu", streams=1)
+    calls = []
+    monkeypatch.setattr(vad, "_lstm_kernel", lambda device: calls.append(device) or lstm_cell.lstm_sequence)
+    got2 = vad.speech_probabilities(x, device="cpu", streams=2, passes=2, warmup_s=0.5)
+    got1 = vad.speech_probabilities(x[: SR], device="cpu", streams=1)
+    assert len(calls) == 3
+    assert np.abs(got2 - ref2).max() <= PROB_ATOL and np.abs(got1 - ref1).max() <= PROB_ATOL
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on the H200 via scripts/device.sh)")
+def test_cuda_lstm_kernel_matches_torch_loop(long_recording, monkeypatch):
+    """The Triton recurrence (default on CUDA) against the torch loop (the reference), both on CUDA: the same
+    probabilities within fp32 rounding carried through the recurrence (1e-4, as CUDA vs CPU above) and the
+    same regions and pieces; then the time of an hour with each."""
+    pytest.importorskip("triton")
+    rec, _ = long_recording
+    assert vad._lstm_kernel(torch.device("cuda")) is not None
+    kernel = {k: vad.speech_probabilities(rec, device="cuda", streams=k) for k in (None, 1)}
+    monkeypatch.setattr(vad, "TRITON_LSTM", False)
+    assert vad._lstm_kernel(torch.device("cuda")) is None
+    loop = {k: vad.speech_probabilities(rec, device="cuda", streams=k) for k in (None, 1)}
+    for k in kernel:
+        err = np.abs(kernel[k] - loop[k]).max()
+        print(f"\nstreams={k}: max |p_kernel - p_torch| = {err:.1e}")
+        assert err <= 1e-4
+        for pad in (0, 200):
+            assert vad.regions_from_probabilities(kernel[k], len(rec), speech_pad_ms=pad) == \
+                vad.regions_from_probabilities(loop[k], len(rec), speech_pad_ms=pad)
+    hour = np.tile(rec, 10)
+    times = {}
+    for on in (False, True):
+        monkeypatch.setattr(vad, "TRITON_LSTM", on)
+        vad.speech_probabilities(hour[: 60 * SR], device="cuda")  # warm (and compile)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        times[on] = (vad.segment(hour, device="cuda"), time.perf_counter() - t)
+    assert times[True][0] == times[False][0]
+    print(f"1 h segmented on {torch.cuda.get_device_name()}: torch loop {times[False][1]:.3f} s, "
+          f"Triton kernel {times[True][1]:.3f} s")
+
+
 def test_cpu_timing_ten_minutes(long_recording, capsys):
     """Not an assertion: how long 10 minutes of audio take to segment on this CPU (default: one stream)."""
     rec, _ = long_recording
