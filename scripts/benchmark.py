@@ -28,7 +28,7 @@ import glmasr  # noqa: E402
 from glmasr.engine.engine import Engine  # noqa: E402
 from glmasr.random_checkpoint import ensure_full_size_checkpoint  # noqa: E402
 
-SECTIONS = ("latency", "decode", "encoder", "throughput", "breakdown", "coldstart", "serve", "longform")
+SECTIONS = ("latency", "decode", "encoder", "throughput", "breakdown", "serve", "longform", "coldstart")
 # serve (the server under load, 20 s per concurrency level, scripts/bench/serve_load.py, ~3 min) and longform (an hour of mp3 to SRT,
 # scripts/bench/longform.py, ~1-2 min) run when asked for (--only): with them the whole run passes one device call.
 DEFAULT_SECTIONS = ("latency", "decode", "encoder", "throughput", "breakdown", "coldstart")

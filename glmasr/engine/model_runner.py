@@ -354,9 +354,10 @@ class ModelRunner:
         saved = [t.clone() for t in state]
         with compile_ahead() as active:
             if active:
-                encode = getattr(self.model, "_encode_eager", self.model.encode_audio)
-                for w in encoder_windows:
-                    encode(torch.zeros(w, self.cfg.audio.num_mel_bins, 3000, device=self.device))
+                # the Triton encoder, eagerly (a graph captured here would lack the Triton kernels); an encoder
+                # on the plain path (a kernel fallback) has nothing to compile
+                for w in encoder_windows if getattr(self.model, "enc_layers", None) else ():
+                    self.model._encode_eager(torch.zeros(w, self.cfg.audio.num_mel_bins, 3000, device=self.device))
                 row = torch.zeros(1, dtype=torch.long, device=self.device)
                 for bkt in sorted({bucket(n, PREFILL_BUCKETS) for n in (prefill_lengths or ())}):
                     if bkt <= self.capacity:
