@@ -106,7 +106,7 @@ class GlmAsr:
         (and waits for it), so the first request finds them ready, and they overlap the frontend's NVRTC build,
         which goes on in its background thread."""
         return self.loop.call(lambda eng: eng.warmup(batch_sizes=(1,), kv_lens=(256,), prefill_lengths=(64,),
-                                                     encoder_windows=(1,)))
+                                                     encoder_windows=(1,), compile_ahead=False))
 
     def warmup(self, batch_sizes=None, kv_lens=(256, 512, 1024), prefill_lengths=(64, 128, 256, 512, 1024)
                ) -> dict:

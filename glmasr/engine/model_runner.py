@@ -374,18 +374,22 @@ class ModelRunner:
         return active
 
     @torch.inference_mode()
-    def warmup(self, batch_sizes=None, kv_lens=None, prefill_lengths=None, encoder_windows=()) -> dict:
+    def warmup(self, batch_sizes=None, kv_lens=None, prefill_lengths=None, encoder_windows=(),
+               compile_ahead: bool = True) -> dict:
         """Capture the encoder graphs for ``encoder_windows`` buckets, the decode graphs for ``batch_sizes`` x
-        ``kv_lens`` buckets and the prefill graphs for ``prefill_lengths`` buckets now (their kernels compiled
-        first, all at once: ``compile_kernels``), so no request pays for it; ms per stage. Needs an idle engine
-        (it writes slot 0's cache row)."""
+        ``kv_lens`` buckets and the prefill graphs for ``prefill_lengths`` buckets now, so no request pays for
+        it; ms per stage. ``compile_ahead``: their kernels compiled first, all at once (``compile_kernels``): it
+        pays where many buckets meet cold caches (a full warm-up), not for the few kernels of one clip's path,
+        where the dry pass costs more than it saves (notes/measurements.md). Needs an idle engine (it writes
+        slot 0's cache row)."""
         timings = {}
         if not self.use_graphs:
             return timings
-        t0 = time.perf_counter()
-        self.compile_kernels(batch_sizes, kv_lens, prefill_lengths, encoder_windows)
-        torch.cuda.synchronize(self.device)
-        timings["kernel_compiles_ms"] = 1e3 * (time.perf_counter() - t0)
+        if compile_ahead:
+            t0 = time.perf_counter()
+            self.compile_kernels(batch_sizes, kv_lens, prefill_lengths, encoder_windows)
+            torch.cuda.synchronize(self.device)
+            timings["kernel_compiles_ms"] = 1e3 * (time.perf_counter() - t0)
         t0 = time.perf_counter()
         for w in encoder_windows:  # features need not be real: only the kernels and graphs are wanted here
             self.model.encode_audio(torch.zeros(w, self.cfg.audio.num_mel_bins, 3000, device=self.device))
