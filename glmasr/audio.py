@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from .features import SAMPLE_RATE, WINDOW_SAMPLES
+from .options import audio_threads
 
 MAX_CHANNELS = 16
 
@@ -206,12 +207,9 @@ def _threads() -> int:
     this process may run on (at most 8)."""
     if AUDIO_THREADS is not None:
         return max(1, int(AUDIO_THREADS))
-    env = os.environ.get("GLMASR_AUDIO_THREADS")
-    if env:
-        try:
-            return max(1, int(env))
-        except ValueError:
-            pass
+    env = audio_threads()
+    if env is not None:
+        return env
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

@@ -12,6 +12,8 @@ Environment variables (each overrides the default; an explicit argument override
 | GLMASR_DECODE_GEMM | decode_gemm | "skinny" (GEMV kernels for the decode step) or "cublas" |
 | GLMASR_PDL | pdl | 0: no programmatic dependent launch in the decode step |
 | GLMASR_WEIGHTS_READER | weights_reader | "auto", "chunked" or "safe_open" (``weights.load_state_dict``) |
+| GLMASR_AUDIO_THREADS | (``audio_threads()``) | threads that decode and resample long audio (default: the usable CPUs, at most 8) |
+| GLMASR_API_KEY | (``api_key()``) | the key ``glmasr serve`` requires when ``--api-key`` is not given |
 | GLMASR_CACHE_DIR | (``cache_dir()``) | the cache root (default $XDG_CACHE_HOME/glmasr or ~/.cache/glmasr): generated checkpoints; the log-mel cubins in its ``cubins/`` |
 
 (The kernels, which import nothing from this package, read GLMASR_CACHE_DIR for their cubins themselves:
@@ -113,6 +115,20 @@ class EngineOptions:
             max_prefill_tokens=self.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS[kind],
             cuda_graphs=self.cuda_graphs and cuda, prefill_graphs=self.prefill_graphs and cuda,
             encoder_graphs=self.encoder_graphs and cuda)
+
+
+def audio_threads() -> int | None:
+    """$GLMASR_AUDIO_THREADS as a positive int, or None (unset or not a number: the audio module's default)."""
+    env = os.environ.get("GLMASR_AUDIO_THREADS")
+    try:
+        return max(1, int(env)) if env else None
+    except ValueError:
+        return None
+
+
+def api_key() -> str | None:
+    """$GLMASR_API_KEY, or None when unset or empty."""
+    return os.environ.get("GLMASR_API_KEY") or None
 
 
 def cache_dir() -> Path:

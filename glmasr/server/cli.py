@@ -51,8 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-
     args = build_parser().parse_args(argv)
     try:
         import uvicorn
@@ -64,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     import glmasr
     from glmasr.cli import _pick_model
 
-    api_key = args.api_key if args.api_key is not None else os.environ.get("GLMASR_API_KEY") or None
+    from glmasr.options import api_key as env_api_key
+
+    api_key = args.api_key if args.api_key is not None else env_api_key()
     data_parallel = args.data_parallel is not None or args.devices is not None
     try:
         model = _pick_model(args.model)
