@@ -19,6 +19,7 @@ steps (CUDA graphs per batch and KV-length bucket), the sync-free read-back, war
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -306,16 +307,23 @@ class ModelRunner:
         for _ in range(steps):
             graph.replay()
 
-    def _capture_decode(self, b: int, kv_len: int) -> "torch.cuda.CUDAGraph":
-        # The warm-up steps really run: save the slot state and restore it afterwards; each warm-up step writes
-        # output column 0.
+    @contextlib.contextmanager
+    def _slot_state_kept(self):
+        """Decode steps run inside (a capture's warm-up steps, a dry compile pass) leave the slot state as it was."""
         state = (self.tokens, self.positions, self.active, self.remaining, self.status, self.stop_token, self.out,
                  self.out_logprob, self.step_index)
         saved = [t.clone() for t in state]
-        graph, _ = cuda_graphs.capture(lambda: self._decode_step(b, kv_len), self.device, self.pool.handle,
-                                       warmup=2, before_warmup=self.step_index.zero_)
-        for t, s in zip(state, saved):
-            t.copy_(s)
+        try:
+            yield
+        finally:
+            for t, s in zip(state, saved):
+                t.copy_(s)
+
+    def _capture_decode(self, b: int, kv_len: int) -> "torch.cuda.CUDAGraph":
+        # The warm-up steps really run (each writes output column 0)
+        with self._slot_state_kept():
+            graph, _ = cuda_graphs.capture(lambda: self._decode_step(b, kv_len), self.device, self.pool.handle,
+                                           warmup=2, before_warmup=self.step_index.zero_)
         self.graphs[(b, kv_len)] = graph
         return graph
 
@@ -349,10 +357,7 @@ class ModelRunner:
 
         if not self.use_graphs:
             return False
-        state = (self.tokens, self.positions, self.active, self.remaining, self.status, self.stop_token, self.out,
-                 self.out_logprob, self.step_index)
-        saved = [t.clone() for t in state]
-        with compile_ahead() as active:
+        with self._slot_state_kept(), compile_ahead() as active:
             if active:
                 # the Triton encoder, eagerly (a graph captured here would lack the Triton kernels); an encoder
                 # on the plain path (a kernel fallback) has nothing to compile
@@ -369,8 +374,6 @@ class ModelRunner:
                 for b in sorted({bucket(n, self.buckets) for n in (batch_sizes or (1,))}):
                     for kv in sorted({kv_bucket(n, self.capacity) for n in (kv_lens or (MIN_KV_BUCKET,))}):
                         self._decode_step(b, kv)
-        for t, s in zip(state, saved):
-            t.copy_(s)
         return active
 
     @torch.inference_mode()
