@@ -517,3 +517,36 @@ def test_two_gpu_workers_sharing_cuda0_equal_the_single_engine_server(tiny_shipp
     finally:
         engine.close(timeout=30)
         handle.close()
+
+
+def test_a_worker_whose_engine_stalls_is_killed_its_requests_get_503_and_it_restarts(tiny_shipped, clips,
+                                                                                      tmp_path, single):
+    """The watchdog: a worker holding requests whose engine makes no step for ``worker_timeout_s`` (here a step
+    that sleeps 60 s: a stuck kernel, a deadlock) is killed, its requests fail with 503 ``worker_died`` naming the
+    stall instead of hanging, and it is restarted; an idle worker is never killed for being idle."""
+    flag = tmp_path / "stall"
+    engine = DataParallelEngineClient(["cpu"], model=tiny_shipped, max_batch=8, drain_timeout_s=10,
+                                      worker_timeout_s=2.0, _test_hooks={"step_delay": (str(flag), 60.0)})
+    app = create_app(engine, ServerConfig(api_key=KEY, close_engine=False, warmup="request"))
+    data = clips["a.wav"]
+    ref = post(single, {"model": MODEL}, {"file": ("a.wav", data)}).json()["text"]
+    try:
+        with TestClient(app, base_url="http://testserver") as tc:
+            wait_for(lambda: tc.get("/health").status_code == 200, 60, "the engine worker")
+            client = openai.OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=tc, max_retries=0)
+            time.sleep(3.0)  # idle for longer than the timeout: not a stall
+            assert tc.get("/health").json()["workers"][0]["restarts"] == 0
+            pid = tc.get("/health").json()["workers"][0]["pid"]
+            flag.write_text("1")
+            t0 = time.monotonic()
+            with pytest.raises(openai.APIStatusError) as err:
+                client.audio.transcriptions.create(file=("a.wav", data), model=MODEL)
+            flag.unlink()
+            assert err.value.status_code == 503 and "no progress" in str(err.value), err.value
+            assert time.monotonic() - t0 < 15  # the timeout and one watchdog period, not the 60 s step
+            wait_for(lambda: tc.get("/health").json()["status"] == "ok", 60, "the restarted worker")
+            w = tc.get("/health").json()["workers"][0]
+            assert w["restarts"] == 1 and w["stalls"] == 1 and w["pid"] != pid
+            assert client.audio.transcriptions.create(file=("a.wav", data), model=MODEL).text == ref
+    finally:
+        engine.close(timeout=10)

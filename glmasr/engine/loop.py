@@ -153,6 +153,7 @@ class EngineLoop:
         self._calls: deque = deque()  # (fn, Future): run on this thread once the engine is idle
         self._ids = itertools.count()
         self._closed = False
+        self.rounds = 0  # engine steps finished: a watchdog sees the engine move (or not) from outside
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -241,6 +242,7 @@ class EngineLoop:
                 continue
             try:
                 outputs = engine.step()
+                self.rounds += 1
             except Exception as e:  # a device fault or a bug: fail what was in flight, keep serving
                 for rid in engine.reset():
                     err = EngineError(f"the engine failed while decoding request {rid} ({type(e).__name__}: {e})")

@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--data-parallel", type=int, default=None, metavar="N",
                    help="N engine worker processes, one model each (one per GPU), behind this front end")
+    p.add_argument("--worker-timeout", type=float, default=120.0, metavar="S",
+                   help="with --data-parallel: a worker whose engine makes no step for S seconds while it holds "
+                        "requests is killed (its requests get a 503) and restarted (default 120; 0 = never)")
     p.add_argument("--devices", default=None, metavar="LIST",
                    help="the workers' devices with --data-parallel, comma-separated (default cuda:0..N-1; cpu "
                         "allowed, repeats allowed: cuda:0,cuda:0 runs two engines on one GPU)")
@@ -107,7 +110,8 @@ def _data_parallel_client(args, model):
     if n is not None and len(devices) != n:
         raise ValueError(f"--data-parallel {n} but --devices names {len(devices)} devices ({','.join(devices)})")
     return DataParallelEngineClient(devices, model=model, dtype=args.dtype, max_batch=args.max_batch,
-                                    drain_timeout_s=args.drain_timeout)
+                                    drain_timeout_s=args.drain_timeout,
+                                    worker_timeout_s=args.worker_timeout or None)
 
 
 def _server_class():

@@ -171,6 +171,10 @@ class _Worker:
         self.info: dict = {}
         self.error: str | None = None
         self.last_exit: str | None = None
+        self.progress: int | None = None  # the engine's step count, from the worker's heartbeat
+        self.progress_at = time.monotonic()  # when it last moved (or the worker last went from idle to busy)
+        self.stalled: str | None = None  # why the watchdog killed it
+        self.stalls = 0
 
 
 class DataParallelEngineClient(EngineClient):
@@ -181,7 +185,8 @@ class DataParallelEngineClient(EngineClient):
     report ready once loaded and warmed up; ``close`` drains and stops them."""
 
     def __init__(self, devices, model=None, dtype=None, threads: int | None = None, drain_timeout_s: float = 60.0,
-                 start_timeout_s: float = 900.0, _test_hooks: dict | None = None, **engine_options):
+                 start_timeout_s: float = 900.0, worker_timeout_s: float | None = 120.0,
+                 _test_hooks: dict | None = None, **engine_options):
         import torch.multiprocessing as tmp
 
         from ..parallel.pool import parse_devices
@@ -198,6 +203,9 @@ class DataParallelEngineClient(EngineClient):
         self.slots = sum(options.resolved("cuda" if d.startswith("cuda") else "cpu").max_batch for d in self.devices)
         self.drain_timeout_s = drain_timeout_s
         self.start_timeout_s = start_timeout_s
+        if worker_timeout_s is not None and not worker_timeout_s > 0:
+            raise ValueError(f"worker_timeout_s must be > 0 (or None: no watchdog), got {worker_timeout_s!r}")
+        self.worker_timeout_s = worker_timeout_s
         self._hooks = dict(_TEST_HOOKS if _test_hooks is None else _test_hooks)
         self._ctx = tmp.get_context("spawn")
         per = max(1, cores() // len(self.devices)) if threads is None else int(threads)
@@ -241,6 +249,28 @@ class DataParallelEngineClient(EngineClient):
             self._warmup = warmup
             for w in self._workers:
                 self._start(w)
+        if self.worker_timeout_s is not None:
+            threading.Thread(target=self._watchdog, name="glmasr-engine-watchdog", daemon=True).start()
+
+    def _watchdog(self) -> None:
+        """Kill a ready worker whose engine has made no step for ``worker_timeout_s`` while it holds requests (a
+        stuck kernel, a deadlock): its death then fails them with a 503 and restarts it, so nothing hangs."""
+        period = min(1.0, self.worker_timeout_s / 4)
+        while True:
+            time.sleep(period)
+            now = time.monotonic()
+            with self._cv:
+                if self._closed:
+                    return
+                stuck = [w for w in self._workers if w.state == "ready" and w.requests
+                         and now - w.progress_at > self.worker_timeout_s]
+                for w in stuck:
+                    w.stalled = f"its engine made no progress for {self.worker_timeout_s:g} s"
+                    w.stalls += 1
+                    w.progress_at = now  # killed once; the reader sees it die
+            for w in stuck:
+                log.warning("engine worker %d (%s): %s; killing it", w.slot, w.device, w.stalled)
+                w.process.kill()
 
     def warmup(self, mode: str) -> dict:
         """Start the workers (if not yet) and wait until every one is ready. Raises if one was given up (it could
@@ -308,6 +338,7 @@ class DataParallelEngineClient(EngineClient):
         if kind == "ready":
             with self._cv:
                 w.info, w.error, w.start_deaths = msg[1], None, 0
+                w.progress_at = time.monotonic()
                 if w.state == "starting":
                     w.state = "ready"
                 self._cv.notify_all()
@@ -315,6 +346,11 @@ class DataParallelEngineClient(EngineClient):
         if kind == "start_failed":
             with self._cv:
                 w.error = msg[1]
+            return
+        if kind == "progress":
+            with self._cv:
+                if msg[1] != w.progress:
+                    w.progress, w.progress_at = msg[1], time.monotonic()
             return
         rid = msg[1]
         with self._cv:
@@ -343,7 +379,10 @@ class DataParallelEngineClient(EngineClient):
                 pass
         with self._cv:
             held, w.requests, w.audio_s = w.requests, {}, 0.0
+            if w.stalled is not None:
+                why, w.stalled = f"{why}: {w.stalled}", None
             w.last_exit = why
+            w.progress = None
             closing = self._closed or w.state == "stopping"
             if closing:
                 w.state = "stopped"
@@ -384,6 +423,8 @@ class DataParallelEngineClient(EngineClient):
             if self._closed:
                 raise EngineClosed("the engine workers are shut down")
             w = self._pick()
+            if not w.requests:  # idle until now: the watchdog's clock starts with this request
+                w.progress_at = time.monotonic()
             rid = next(self._ids)
             req = RemoteRequest(self, w, rid, audio.duration_s)
             w.requests[rid] = req
@@ -412,7 +453,8 @@ class DataParallelEngineClient(EngineClient):
             return [{"worker": w.slot, "device": w.device, "state": w.state,
                      "pid": w.process.pid if w.process is not None and w.state in ("starting", "ready") else None,
                      "in_flight": len(w.requests), "in_flight_audio_s": round(w.audio_s, 3), "requests": w.routed,
-                     "failures": w.failures, "restarts": w.restarts, "error": w.error, "last_exit": w.last_exit}
+                     "failures": w.failures, "restarts": w.restarts, "stalls": w.stalls, "error": w.error,
+                     "last_exit": w.last_exit}
                     for w in self._workers]
 
     def stop_restarts(self) -> None:

@@ -7,7 +7,9 @@ code the single-engine server runs (``submit_loaded``: planning, the engine, the
 request's deltas and its ``Transcription`` are what one in-process engine gives.
 
 Messages, front end -> worker: ``("submit", rid, audio, decode, t_start, audio_ms, pieces, stream)``,
-``("abort", rid)``, ``("stop",)``. Worker -> front end: ``("ready", info)``, ``("start_failed", message)``, and per
+``("abort", rid)``, ``("stop",)``. Worker -> front end: ``("ready", info)``, ``("start_failed", message)``,
+``("progress", rounds)`` every ``HEARTBEAT_S`` (the engine steps done so far: the front end's watchdog kills a
+worker whose engine stops moving while it holds requests), and per
 request ``("accepted", rid, prompt_tokens)`` or ``("rejected", rid, kind, message)``, ``("first", rid, t)``,
 ``("delta", rid, TranscriptDelta)``..., ``("failed", rid, kind, message)``, always ending with ``("end", rid)``
 once the worker holds nothing of it any more (its engine slots are free). ``kind``: "audio", "value", "closed",
@@ -33,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 
 CRASH_EXIT_CODE = 70
+HEARTBEAT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,17 @@ class _WorkerServer:
         if term.is_set():
             self.drain()
         threading.Thread(target=self._read, name="glmasr-worker-inbox", daemon=True).start()
+        beat = self.loop.create_task(self._heartbeat())
         await self.done.wait()
+        beat.cancel()
+
+    async def _heartbeat(self) -> None:
+        """The engine thread's step count, from the loop's thread (the one that sends): it stalls only with
+        the engine, which a stuck kernel or a deadlock holds while the asyncio loop still runs."""
+        loop = self.client.asr.loop
+        while True:
+            self.send(("progress", loop.rounds))
+            await asyncio.sleep(HEARTBEAT_S)
 
     def send(self, msg) -> None:
         try:
