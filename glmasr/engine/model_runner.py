@@ -244,23 +244,9 @@ class ModelRunner:
         The padding writes KV slots [length, bkt) of the row, which decoding overwrites before it reads them."""
         entry = self._prefill_graphs.get(bkt)
         if entry is None:
-            dev = self.device
-            static = {"embeds": torch.zeros(1, bkt, embeds.shape[-1], device=dev, dtype=self.model.dtype),
-                      "last": torch.zeros(1, dtype=torch.long, device=dev),
-                      "row": torch.zeros(1, dtype=torch.long, device=dev),
-                      "positions": torch.arange(bkt, device=dev)[None],
-                      "first": torch.zeros(1, dtype=torch.long, device=dev),
-                      "first_logprob": torch.zeros(1, dtype=torch.float32, device=dev)}
-
-            def run():
-                hidden = self.model.decode(static["embeds"], static["positions"], self.cache, kv_len=bkt,
-                                           rows=static["row"])
-                tok, logp = greedy_pick(self.model.logits(hidden[0].index_select(0, static["last"])))
-                static["first"].copy_(tok)
-                static["first_logprob"].copy_(logp)
-
+            static = self._prefill_buffers(bkt)
             static["row"].fill_(slot)  # warm-up writes go to the row being admitted, which the replay rewrites
-            graph, _ = cuda_graphs.capture(run, dev, self.pool.handle)
+            graph, _ = cuda_graphs.capture(lambda: self._prefill_forward(static, bkt), self.device, self.pool.handle)
             entry = self._prefill_graphs[bkt] = (graph, static)
         graph, static = entry
         static["embeds"][0, :length] = embeds[:length]
@@ -269,6 +255,23 @@ class ModelRunner:
         static["row"].fill_(slot)
         graph.replay()
         return static["first"].clone(), static["first_logprob"].clone()
+
+    def _prefill_buffers(self, bkt: int) -> dict:
+        """The static tensors of a one-prompt prefill graph for ``bkt`` positions."""
+        dev = self.device
+        return {"embeds": torch.zeros(1, bkt, self.cfg.text.hidden_size, device=dev, dtype=self.model.dtype),
+                "last": torch.zeros(1, dtype=torch.long, device=dev),
+                "row": torch.zeros(1, dtype=torch.long, device=dev),
+                "positions": torch.arange(bkt, device=dev)[None],
+                "first": torch.zeros(1, dtype=torch.long, device=dev),
+                "first_logprob": torch.zeros(1, dtype=torch.float32, device=dev)}
+
+    def _prefill_forward(self, static: dict, bkt: int) -> None:
+        """The body of a prefill graph (also the dry compile pass's prefill, so both compile the same kernels)."""
+        hidden = self.model.decode(static["embeds"], static["positions"], self.cache, kv_len=bkt, rows=static["row"])
+        tok, logp = greedy_pick(self.model.logits(hidden[0].index_select(0, static["last"])))
+        static["first"].copy_(tok)
+        static["first_logprob"].copy_(logp)
 
     # ---- decode ----
     def _decode_step(self, b: int, kv_len: int) -> None:
@@ -363,14 +366,9 @@ class ModelRunner:
                 # on the plain path (a kernel fallback) has nothing to compile
                 for w in encoder_windows if getattr(self.model, "enc_layers", None) else ():
                     self.model._encode_eager(torch.zeros(w, self.cfg.audio.num_mel_bins, 3000, device=self.device))
-                row = torch.zeros(1, dtype=torch.long, device=self.device)
                 for bkt in sorted({bucket(n, PREFILL_BUCKETS) for n in (prefill_lengths or ())}):
                     if bkt <= self.capacity:
-                        embeds = torch.zeros(1, bkt, self.cfg.text.hidden_size, device=self.device,
-                                             dtype=self.model.dtype)
-                        hidden = self.model.decode(embeds, torch.arange(bkt, device=self.device)[None], self.cache,
-                                                   kv_len=bkt, rows=row)
-                        greedy_pick(self.model.logits(hidden[0, -1:]))
+                        self._prefill_forward(self._prefill_buffers(bkt), bkt)
                 for b in sorted({bucket(n, self.buckets) for n in (batch_sizes or (1,))}):
                     for kv in sorted({kv_bucket(n, self.capacity) for n in (kv_lens or (MIN_KV_BUCKET,))}):
                         self._decode_step(b, kv)
