@@ -243,8 +243,8 @@ def mixed_throughput(asr, slots) -> list[dict]:
     seconds = rng.uniform(1.0, 30.0, n)
     audios = [clip(float(s), seed=1000 + i) for i, s in enumerate(seconds)]
     total_s = float(sum(len(a) for a in audios)) / 16000
-    asr.reconfigure(max_batch=slots + 1)  # a different engine first, so the next one is built afresh
     asr.reconfigure(max_batch=slots)
+    asr.close()  # the next request builds the engine afresh
     rows = []
     for label in ("first call", "warm"):
         sync()

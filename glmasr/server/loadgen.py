@@ -148,19 +148,42 @@ def offline_reference(asr, clips, batch: int = 256) -> dict:
             "in_process_latency_p50_ms": _ms(percentile(single, 50))}
 
 
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (the OS picks it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(port: int, timeout: float, alive=lambda: True) -> float:
+    """Poll http://127.0.0.1:PORT/health until it answers 200; seconds waited. ``alive()`` False (the server's
+    process or thread ended) fails at once."""
+    import httpx2
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if not alive():
+            raise RuntimeError("the server ended before it was healthy")
+        try:
+            if httpx2.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return time.monotonic() - t0
+        except httpx2.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"the server was not healthy after {timeout:.0f} s")
+
+
 class BackgroundServer:
     """The server for ``asr`` on 127.0.0.1 (a free port), uvicorn in a daemon thread; ``stop()`` drains it."""
 
     def __init__(self, asr, api_key: str | None = None, **config):
-        import socket
-
         import uvicorn
 
         from .app import ServerConfig, create_app
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         app = create_app(asr, ServerConfig(api_key=api_key, close_engine=False, **config))
         self.app = app
@@ -169,19 +192,7 @@ class BackgroundServer:
         self.thread.start()
 
     def wait_ready(self, timeout: float = 600.0) -> None:
-        import httpx2
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if httpx2.get(f"http://127.0.0.1:{self.port}/health", timeout=5).status_code == 200:
-                    return
-            except httpx2.TransportError:
-                pass
-            if not self.thread.is_alive():
-                raise RuntimeError("the server thread exited")
-            time.sleep(0.1)
-        raise TimeoutError("the server did not become healthy")
+        wait_healthy(self.port, timeout, self.thread.is_alive)
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -153,9 +153,8 @@ def stages(asr, path: Path) -> dict:
     t = time.perf_counter()
     dec = _decode_path(path, mono=True)
     out["decode_s"] = round(time.perf_counter() - t, 3)
-    samples, rate = dec.data if hasattr(dec, "data") else dec.samples, dec.rate
     t = time.perf_counter()
-    resample(np.asarray(samples, dtype=np.float32), rate)
+    resample(dec.data, dec.rate)
     out["resample_s"] = round(time.perf_counter() - t, 3)
     t = time.perf_counter()
     audio = load_audio(str(path))

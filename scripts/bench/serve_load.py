@@ -19,45 +19,23 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(folder, device: str, max_batch: int, max_queue: int, log_path: Path):
-    port = _free_port()
+    from glmasr.server.loadgen import free_port
+
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "glmasr.server", "--model", str(folder), "--device", device,
                              "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--port", str(port),
                              "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, env=env)
     return proc, port, log
-
-
-def wait_healthy(proc, port: int, timeout_s: float) -> float:
-    import httpx2
-
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode} before it was healthy")
-        try:
-            if httpx2.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return time.perf_counter() - t0
-        except httpx2.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"the server was not healthy after {timeout_s:.0f} s")
 
 
 def stop_server(proc, timeout_s: float = 60) -> int:
@@ -80,7 +58,7 @@ def run(asr, folder, levels=(1, 8, 64, 256), seconds: float = 30.0, num_clips: i
     report = {"clips": {"count": len(clips), "seconds": round(sum(d for _, d in clips), 1)}, "max_batch": max_batch,
               "seconds_per_level": seconds, "levels": []}
     try:
-        report["server_ready_s"] = round(wait_healthy(proc, port, health_timeout_s), 1)
+        report["server_ready_s"] = round(loadgen.wait_healthy(port, health_timeout_s, lambda: proc.poll() is None), 1)
         url = f"http://127.0.0.1:{port}/v1"
         for c in levels:
             row = asyncio.run(loadgen.run_load(url, "none", "glm-asr-nano-2512", c, seconds, clips, grace))
