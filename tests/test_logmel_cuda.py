@@ -9,6 +9,7 @@ transformers.WhisperFeatureExtractor, int16 input, bf16 output, poisoned outputs
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from concurrent.futures import ProcessPoolExecutor
 
@@ -62,25 +63,41 @@ MEL_CASES = [dict(n_fft=n, hop_length=n // 4) for n in C.SUPPORTED_N_FFT] + [
 ]
 
 
-def _mel_cfg(case: dict, in_i16=False, out_bf16=False, sm=900) -> KernelConfig:
+def _mel_cfg(case: dict, in_i16=False, out_bf16=False, sm=900, out_f16=False) -> KernelConfig:
     a = C.validate_mel_args(**case)
     ept, pairs, iters = C.LAUNCH[a["n_fft"]]
     return KernelConfig(a["n_fft"], pairs, iters, C.split_lanes(a["n_fft"], a["n_mels"]), C.power_mode(a["power"]),
-                        False, in_i16, out_bf16, sm, ept)
+                        False, in_i16, out_bf16, sm, ept, out_f16=out_f16)
 
 
-def _whisper_cfg(in_i16=False, out_bf16=False, n_mels=128, sm=900) -> KernelConfig:
+def _whisper_cfg(in_i16=False, out_bf16=False, n_mels=128, sm=900, out_f16=False, skel=None) -> KernelConfig:
     ept, pairs, iters = C.LAUNCH[400]
     return KernelConfig(400, pairs, iters, C.split_lanes(400, n_mels), 0, True, in_i16, out_bf16, sm, ept,
-                        C.WHISPER_DIRECT, C.WHISPER_MINB)
+                        C.WHISPER_DIRECT, C.WHISPER_MINB, out_f16=out_f16,
+                        skel=C.WHISPER_SKEL if skel is None else skel)
+
+
+# LM_SKEL skeleton variants of the Whisper kernel (bit-identical output; kernels/logmel/_config.py WHISPER_SKEL)
+SKEL_BITS = (1, 2, 4, 7)
+
+
+def skel_test_configs(sm: int = 900) -> list[KernelConfig]:
+    """Each variant on the production Whisper config (fp32 out), plus all bits with int16 input / fp16 output."""
+    cfgs = {_whisper_cfg(sm=sm, skel=k) for k in SKEL_BITS}
+    cfgs.add(_whisper_cfg(in_i16=True, sm=sm, skel=7))
+    cfgs.add(_whisper_cfg(out_f16=True, sm=sm, skel=7))
+    return sorted(cfgs, key=repr)
 
 
 def all_test_configs(sm: int = 900) -> list[KernelConfig]:
     cfgs = {_mel_cfg(c, sm=sm) for c in MEL_CASES}
     cfgs.add(_mel_cfg(dict(n_fft=400, hop_length=160), in_i16=True, sm=sm))
     cfgs.add(_mel_cfg(dict(n_fft=512, hop_length=128), out_bf16=True, sm=sm))
-    for i16, bf16 in ((False, False), (False, True), (True, False)):
-        cfgs.add(_whisper_cfg(i16, bf16, sm=sm))
+    cfgs.add(_mel_cfg(dict(n_fft=512, hop_length=128), out_f16=True, sm=sm))
+    for i16, bf16, f16 in ((False, False, False), (False, True, False), (True, False, False), (False, False, True)):
+        cfgs.add(_whisper_cfg(i16, bf16, sm=sm, out_f16=f16))
+    cfgs.add(_whisper_cfg(n_mels=80, sm=sm, out_f16=True))
+    cfgs.update(skel_test_configs(sm))
     return sorted(cfgs, key=repr)
 
 
@@ -117,10 +134,43 @@ def test_mel_spectrogram_constructor_errors():
 
     with pytest.raises(ValueError, match="n_fft"):
         MelSpectrogram(n_fft=1000)
-    with pytest.raises(ValueError, match="dtype"):
-        MelSpectrogram(dtype=torch.float16)
+    for bad in (torch.float64, torch.int16, torch.complex64, "float16", None):
+        # the message names every accepted dtype
+        with pytest.raises(ValueError, match=r"dtype must be torch\.float32, torch\.bfloat16 or torch\.float16"):
+            MelSpectrogram(dtype=bad)
+    for ok in (torch.float32, torch.bfloat16, torch.float16):
+        assert MelSpectrogram(dtype=ok).dtype == ok
     m = MelSpectrogram(n_fft=512, window_fn=torch.hann_window)
     assert m.hop_length == 256
+
+
+def test_out_dtype_flags():
+    assert C.out_dtype_flags(torch.float32) == (False, False)
+    assert C.out_dtype_flags(torch.bfloat16) == (True, False)
+    assert C.out_dtype_flags(torch.float16) == (False, True)
+    with pytest.raises(ValueError, match=r"out_dtype must be torch\.float32, torch\.bfloat16 or torch\.float16"):
+        C.out_dtype_flags(torch.float64, "out_dtype")
+    with pytest.raises(ValueError, match="exclusive"):
+        KernelConfig(400, 8, 2, 1, 0, True, False, True, 900, out_f16=True)
+    assert _whisper_cfg(out_f16=True).macros()["LM_OUT_F16"] == "1"
+    assert cache_key(_whisper_cfg(out_f16=True)) != cache_key(_whisper_cfg(out_bf16=True))
+
+
+def test_whisper_features_dtype_error():
+    """The out_dtype check comes before any CUDA work, so it runs on CPU too."""
+    from glmasr_kernels.logmel import whisper_features
+
+    with pytest.raises(ValueError, match=r"out_dtype must be torch\.float32, torch\.bfloat16 or torch\.float16"):
+        whisper_features(torch.zeros(1, 1000), out_dtype=torch.float64)
+
+
+def test_stage_bytes_layout():
+    """LM_STAGE span: (2 * pairs - 1) * hop + n_fft samples, rounded up to 16 bytes (mirrors lm::stage_bytes)."""
+    assert C.stage_bytes(False, 8, 160, 400, 4) == 0
+    assert C.stage_bytes(True, 8, 160, 400, 4) == 11200
+    assert C.stage_bytes(True, 8, 160, 400, 2) == 5600
+    assert C.stage_bytes(True, 1, 3, 5, 2) == 16
+    assert C.smem_bytes(100, 0, 128, 394, 11200) == C.smem_bytes(100, 0, 128, 394) + 11200
 
 
 @pytest.mark.parametrize("mode", sorted(C.PAD_MODES))
@@ -162,9 +212,9 @@ def test_cache_key_and_dir(tmp_path, monkeypatch):
 
     # the measurement / tiling switches are compile options, so they are part of the key
     keys = {cache_key(replace(a, **kw)) for kw in ({}, dict(variant=1), dict(variant=4), dict(direct=not a.direct),
-                                                    dict(minb=6))}
-    assert len(keys) == 5
-    assert {"LM_DIRECT", "LM_MINB", "LM_VARIANT"} <= set(a.macros())
+                                                    dict(minb=6), dict(skel=a.skel ^ 1), dict(skel=a.skel ^ 2))}
+    assert len(keys) == 7
+    assert {"LM_DIRECT", "LM_MINB", "LM_VARIANT", "LM_SKEL", "LM_OUT_F16"} <= set(a.macros())
     monkeypatch.setenv("GLMASR_CACHE_DIR", str(tmp_path))
     assert _build.cache_dir() == tmp_path / "cubins"  # beside glmasr's own files under the same root
     monkeypatch.delenv("GLMASR_CACHE_DIR")
@@ -340,8 +390,9 @@ def test_whisper_int16_and_default_lengths():
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n_mels", [128, 80])
-def test_whisper_bf16_out(n_mels):
+def test_whisper_bf16_out(n_mels, dtype):
     from glmasr.features import log_mel_windows
     from glmasr_kernels.logmel import whisper_features
 
@@ -349,12 +400,15 @@ def test_whisper_bf16_out(n_mels):
     pcm[1, 100000:] = 0
     ref = log_mel_windows(pcm, n_mels=n_mels)
     _poison(2 * n_mels * 3000 * 4 * 2)
-    f, _ = whisper_features(pcm, lengths=[480000, 100000], n_mels=n_mels, out_dtype=torch.bfloat16)
+    f, _ = whisper_features(pcm, lengths=[480000, 100000], n_mels=n_mels, out_dtype=dtype)
     torch.cuda.synchronize()
-    assert f.dtype == torch.bfloat16 and not torch.isnan(f.float()).any()
-    # within bf16 rounding of the fp32 reference (plus the fp32 tolerance)
-    tol = ref.abs() * 2.0**-8 + 2e-4
+    assert f.dtype == dtype and not torch.isnan(f.float()).any() and not torch.isinf(f.float()).any()
+    # within one rounding of the fp32 reference (half an ulp: 2^-8 relative for bf16, 2^-11 for fp16; the
+    # features lie in [-1.5, 2.5], far from fp16's limits) plus the fp32 tolerance
+    tol = ref.abs() * (2.0**-8 if dtype == torch.bfloat16 else 2.0**-11) + 2e-4
     assert bool(((f.float() - ref).abs() <= tol).all())
+    f32, _ = whisper_features(pcm, lengths=[480000, 100000], n_mels=n_mels)
+    assert torch.equal(f, f32.to(dtype))  # rounded once from the kernel's own fp32 result
 
 
 @needs_cuda
@@ -406,6 +460,76 @@ def test_mel_int16_and_bf16():
     got = MelSpectrogram(n_fft=512, hop_length=128, dtype=torch.bfloat16)(x)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref, atol=1e-4, rtol=2.0**-7)
+
+
+def _assert_close_fp16(got: torch.Tensor, ref32: torch.Tensor, atol: float = 1e-4, rtol: float = 1e-4) -> None:
+    """got (fp16 kernel output) vs ref32.to(float16) (torchaudio's result quantised to fp16).
+
+    Tolerance: |kernel_fp32 - ref_fp32| <= atol + rtol |ref| (the fp32 test's tolerance); rounding both to fp16
+    moves each by at most half an fp16 ulp, i.e. by at most one ulp together when they straddle a rounding
+    boundary, and an ulp is <= 2^-10 |x| for normal x (subnormals: 2^-24, far under atol). So: atol, rtol + 2^-10.
+    Overflow: both are inf where the fp32 value rounds past 65504 (>= 65520); an element whose fp32 reference lies
+    within the fp32 tolerance of 65520 may legitimately round either way, so it needs got >= 65504 or finite-close.
+    """
+    ref16 = ref32.to(torch.float16)
+    g, r = got.float(), ref16.float()
+    tol = atol + (rtol + 2.0**-10) * r.abs().clamp(max=65504.0)
+    edge = (ref32 - 65520.0).abs() <= atol + rtol * 65520.0
+    fin = torch.isfinite(r) & torch.isfinite(g)
+    assert bool(((g - r).abs() <= tol)[fin].all()), float(((g - r).abs() - tol)[fin].max())
+    inf_mismatch = torch.isinf(g) != torch.isinf(r)
+    assert bool((~inf_mismatch | (edge & (g.abs() >= 65504.0) & (r.abs() >= 65504.0))).all())
+
+
+@needs_cuda
+@pytest.mark.parametrize("scale", [1.0, 40.0], ids=["normal", "overflow"])
+def test_mel_fp16_vs_torchaudio(scale):
+    """float16 output = torchaudio's float32 result quantised to float16 (inf past 65504 included)."""
+    torchaudio = pytest.importorskip("torchaudio")
+    from glmasr_kernels.logmel import MelSpectrogram
+
+    # overflow case: the loudness ramps from 0.01 to 40 (mean bin power ~3e5 at the end), so both finite and
+    # overflowing (inf) values occur
+    x = torch.randn(4, 16000, device="cuda")
+    if scale > 1:
+        x = x * torch.logspace(-2, math.log10(scale), 16000, device="cuda")
+    ref32 = torchaudio.transforms.MelSpectrogram(n_fft=512, hop_length=128).cuda()(x)
+    _poison(ref32.numel() * 4 * 2)
+    got = MelSpectrogram(n_fft=512, hop_length=128, dtype=torch.float16)(x)
+    torch.cuda.synchronize()
+    assert got.dtype == torch.float16 and got.shape == ref32.shape and not torch.isnan(got).any()
+    if scale > 1:  # the loud input really overflows fp16 somewhere, and stays finite elsewhere
+        assert bool(torch.isinf(ref32.to(torch.float16)).any()) and bool(torch.isfinite(ref32.to(torch.float16)).any())
+    _assert_close_fp16(got, ref32)
+    got32 = MelSpectrogram(n_fft=512, hop_length=128)(x)
+    assert torch.equal(got, got32.to(torch.float16))  # one rounding of the kernel's own fp32 result
+
+
+@needs_cuda
+@pytest.mark.parametrize("skel", SKEL_BITS)
+def test_whisper_skeleton_variants_bitexact(skel):
+    """LM_SKEL variants (shared-memory staging, per-bin power spectrum, packed descriptors) give bit-identical
+    output: aligned and misaligned rows (odd T), dirty tails past `lengths`, int16 input, fp16 output."""
+    from dataclasses import replace
+
+    from glmasr_kernels.logmel import _runtime as R
+
+    sm = R._device_sm(torch.cuda.current_device())
+    g = torch.Generator(device="cuda").manual_seed(skel)
+    for T in (480000, 479999):
+        pcm = torch.randn(6, T, device="cuda", generator=g) * 0.1
+        lens = torch.tensor([T, T - 1, 300001, 160, 250000, 12345], device="cuda")
+        for i, n in enumerate(lens.tolist()):
+            pcm[i, n:] = 1.5
+        pcm16 = (pcm.clamp(-1, 1) * 32767).round().to(torch.int16)
+        # int16 input / fp16 output for all bits at once only (their configs are prewarmed: skel_test_configs)
+        inputs = ((pcm, {}), (pcm, dict(out_f16=True)), (pcm16, dict(in_i16=True))) if skel == 7 else ((pcm, {}),)
+        for x, kw in inputs:
+            base = _whisper_cfg(sm=sm, skel=0, **kw)
+            f0, m0 = R.whisper_impl(x, lens, 128, None, cfg=base)
+            f1, m1 = R.whisper_impl(x, lens, 128, None, cfg=replace(base, skel=skel))
+            torch.cuda.synchronize()
+            assert torch.equal(f0, f1) and torch.equal(m0, m1), (T, kw, (f0.float() - f1.float()).abs().max().item())
 
 
 @needs_cuda

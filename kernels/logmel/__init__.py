@@ -3,6 +3,7 @@
 Front doors:
   whisper_features(pcm, lengths=None, n_mels=128, out_dtype=torch.float32) -> (features, mask)
       pcm (B, <=480000) float32 or int16 CUDA; features (B, n_mels, 3000), mask (B, 3000) int32.
+      out_dtype float32, bfloat16 or float16 (computed in fp32, rounded once on store).
       Exactly glmasr.features.log_mel_windows on the zero-padded 30 s windows (per-window max).
   MelSpectrogram(**torchaudio.transforms.MelSpectrogram arguments except window_fn)
       input (..., time) float32/int16 CUDA -> (..., n_mels, n_frames).
@@ -49,7 +50,7 @@ def prebuild(n_mels: int = 128, device: torch.device | str | None = None, out_dt
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     from ._build import get_cubin
 
-    get_cubin(rt._cfg(rt.WHISPER_N_FFT, n_mels, 2.0, True, False, out_dtype == torch.bfloat16, idx))
+    get_cubin(rt._cfg(rt.WHISPER_N_FFT, n_mels, 2.0, True, False, out_dtype, idx))
 
 
 def _rt():
@@ -76,6 +77,8 @@ def whisper_features(
 
     lengths: valid samples per row (int sequence or int64 tensor); samples at or past it read as
     zero and the mask marks the first ceil(length / 160) frames. Default: the row length.
+    out_dtype: torch.float32, torch.bfloat16 or torch.float16; the kernel computes in float32 and rounds once
+    on store (the features lie in about [-1.5, 2.5], far inside float16's range).
     Returns (features (B, n_mels, 3000) out_dtype, mask (B, 3000) int32).
     """
     if not isinstance(pcm, torch.Tensor) or pcm.ndim != 2:
@@ -84,8 +87,7 @@ def whisper_features(
         raise ValueError(f"pcm rows must hold at most 480000 samples (30 s at 16 kHz), got {pcm.shape[1]}")
     if n_mels not in (80, 128):
         raise ValueError(f"n_mels must be 80 or 128 for Whisper features, got {n_mels!r}")
-    if out_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
+    _config.out_dtype_flags(out_dtype, "out_dtype")  # ValueError naming the accepted dtypes
     _rt()._check_input(pcm, "pcm")
     _no_grad_check(pcm, "pcm")
     if lengths is not None:
@@ -95,17 +97,20 @@ def whisper_features(
             raise ValueError(f"lengths must have shape ({pcm.shape[0]},), got {tuple(lengths.shape)}")
         lengths = lengths.to(device=pcm.device, dtype=torch.int64)
     if torch.compiler.is_compiling():  # the registered op, so torch.compile can trace through it
-        return torch.ops.glmasr.logmel_whisper(pcm, lengths, n_mels, out_dtype == torch.bfloat16)
+        return torch.ops.glmasr.logmel_whisper(pcm, lengths, n_mels, out_dtype)
     # eager: straight to the implementation (the custom-op dispatch took ~0.45 ms of host time per call under
     # cProfile on the H200 machine, on the critical path of a one-clip transcription)
-    return _rt().whisper_impl(pcm, lengths, n_mels, out_dtype == torch.bfloat16)
+    return _rt().whisper_impl(pcm, lengths, n_mels, out_dtype)
 
 
 class MelSpectrogram(torch.nn.Module):
     """torchaudio.transforms.MelSpectrogram on the fused CUDA kernel (periodic Hann window only).
 
-    Extra keyword: dtype (torch.float32 or torch.bfloat16) for the output. Input (..., time) float32
-    or int16 (scaled by 1/32768) CUDA tensor; output (..., n_mels, n_frames).
+    Extra keyword: dtype (torch.float32, torch.bfloat16 or torch.float16) for the output. The kernel computes
+    in float32 and rounds once on store (round to nearest even), so the result equals rounding the float32
+    result: float16 output is inf where the power mel value exceeds float16's range (above 65504, e.g. loud
+    int16-scale input or large n_fft with power=2), exactly like ``torchaudio_result.to(torch.float16)``.
+    Input (..., time) float32 or int16 (scaled by 1/32768) CUDA tensor; output (..., n_mels, n_frames).
     """
 
     def __init__(
@@ -135,9 +140,9 @@ class MelSpectrogram(torch.nn.Module):
             f_max=f_max, pad=pad, n_mels=n_mels, window_fn=window_fn, power=power, normalized=normalized,
             wkwargs=wkwargs, center=center, pad_mode=pad_mode, onesided=onesided, norm=norm, mel_scale=mel_scale,
         )
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+        _config.out_dtype_flags(dtype, "dtype")  # ValueError naming the accepted dtypes
         self.args = a
+        self.dtype = dtype
         self.out_bf16 = dtype == torch.bfloat16
         for k, v in a.items():
             setattr(self, k, v)
@@ -156,7 +161,7 @@ class MelSpectrogram(torch.nn.Module):
         y = torch.ops.glmasr.logmel_mel(
             x, float(a["sample_rate"]), a["n_fft"], a["win_length"], a["hop_length"], a["f_min"], a["f_max"],
             a["pad"], a["n_mels"], a["power"], a["normalized"] or "", a["center"], a["pad_mode"],
-            a["norm"] or "", a["mel_scale"], self.out_bf16,
+            a["norm"] or "", a["mel_scale"], self.dtype,
         )
         return y.reshape(*lead, a["n_mels"], y.shape[-1])
 

@@ -71,8 +71,8 @@ class _Module:
             if cfg.whisper:
                 self.finalize = _ck(driver.cuModuleGetFunction(self.module, b"logmel_finalize"), "cuModuleGetFunction")
             dptr, size = _ck(driver.cuModuleGetGlobal(self.module, b"logmel_info"), "cuModuleGetGlobal")
-            info = np.zeros(8, np.uint32)
-            _ck(driver.cuMemcpyDtoH(info.ctypes.data, dptr, 32), "cuMemcpyDtoH")
+            info = np.zeros(12, np.uint32)
+            _ck(driver.cuMemcpyDtoH(info.ctypes.data, dptr, 48), "cuMemcpyDtoH")
             dev = _ck(driver.cuDeviceGet(device_index), "cuDeviceGet")
             self.smem_optin = int(
                 _ck(
@@ -88,8 +88,15 @@ class _Module:
         self.tf = int(info[4])
         self.tfs = int(info[5])
         self.threads = int(info[7])
+        self.stage = bool(info[8])  # LM_STAGE: a (2 * pairs - 1) * hop + n_fft sample span in shared memory
+        self.in_size = int(info[9])
         self.smem_set = 48 * 1024
         self.cfg = cfg
+
+    def smem(self, hop: int, n_mels: int, nnz: int) -> int:
+        """Dynamic shared memory of logmel_main for this module at hop / n_mels / nnz."""
+        st = C.stage_bytes(self.stage, self.block[1], hop, self.cfg.n_fft, self.in_size)
+        return C.smem_bytes(self.ws_bytes, self.tfs, n_mels, nnz, st)
 
     def ensure_smem(self, nbytes: int) -> None:
         if nbytes <= self.smem_set:
@@ -163,13 +170,27 @@ def _filters(key: tuple, device: str):
     return t(window), t(start), t(width), t(off), t(w), int(width.sum())
 
 
-def _cfg(n_fft: int, n_mels: int, power: float, whisper: bool, in_i16: bool, out_bf16: bool, dev_index: int):
+def _cfg(n_fft: int, n_mels: int, power: float, whisper: bool, in_i16: bool, out_dtype, dev_index: int):
+    """The production configuration; out_dtype: a torch dtype (float32 / bfloat16 / float16) or, as before,
+    a bool (True: bfloat16)."""
+    out_bf16, out_f16 = _out_flags(out_dtype)
     ept, pairs, iters = C.LAUNCH[n_fft]
     return KernelConfig(
         n_fft=n_fft, pairs=pairs, iters=iters, split=C.split_lanes(n_fft, n_mels), power_mode=C.power_mode(power),
         whisper=whisper, in_i16=in_i16, out_bf16=out_bf16, sm=_device_sm(dev_index), ept=ept,
-        direct=whisper and C.WHISPER_DIRECT, minb=C.WHISPER_MINB if whisper else 0,
+        direct=whisper and C.WHISPER_DIRECT, minb=C.WHISPER_MINB if whisper else 0, out_f16=out_f16,
+        skel=C.WHISPER_SKEL if whisper else 0,
     )
+
+
+def _out_flags(out_dtype) -> tuple[bool, bool]:
+    if isinstance(out_dtype, bool):
+        return out_dtype, False
+    return C.out_dtype_flags(out_dtype, "out_dtype")
+
+
+def _out_torch_dtype(cfg: KernelConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.out_bf16 else torch.float16 if cfg.out_f16 else torch.float32
 
 
 def _check_input(x: torch.Tensor, name: str) -> None:
@@ -180,26 +201,28 @@ def _check_input(x: torch.Tensor, name: str) -> None:
 
 
 # ---------------------------------------------------------------- Whisper features
-def whisper_impl(pcm: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_bf16: bool,
+def whisper_impl(pcm: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype,
                  cfg: KernelConfig | None = None, finalize: bool = True):
-    """cfg / finalize: measurement hooks (scripts/logmel_breakdown.py): a kernel configuration other than
-    the default one, and leaving out the finalize launch (then the output is NOT clamped, mask unset)."""
+    """out_dtype: torch.float32 / bfloat16 / float16 (a bool still means bfloat16 or not).
+    cfg / finalize: measurement hooks (scripts/logmel_breakdown.py): a kernel configuration other than
+    the default one (its out_bf16 / out_f16 decide the output dtype), and leaving out the finalize launch
+    (then the output is NOT clamped, mask unset)."""
     B, T = pcm.shape
     dev = pcm.device
-    out = torch.empty(B, n_mels, WHISPER_FRAMES, dtype=torch.bfloat16 if out_bf16 else torch.float32, device=dev)
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if cfg is None:
+        cfg = _cfg(WHISPER_N_FFT, n_mels, 2.0, True, pcm.dtype == torch.int16, out_dtype, idx)
+    out = torch.empty(B, n_mels, WHISPER_FRAMES, dtype=_out_torch_dtype(cfg), device=dev)
     mask = torch.empty(B, WHISPER_FRAMES, dtype=torch.int32, device=dev)
     if B == 0:
         return out, mask
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    if cfg is None:
-        cfg = _cfg(WHISPER_N_FFT, n_mels, 2.0, True, pcm.dtype == torch.int16, out_bf16, idx)
     mod = get_module(cfg, idx)
     window, start, width, off, w, nnz = _filters(("whisper", n_mels), str(dev))
     n_tiles = -(-WHISPER_FRAMES // mod.tf)
     tmax = torch.empty(B, n_tiles, dtype=torch.float32, device=dev)
     tmin = torch.empty_like(tmax)
     pcm = pcm.contiguous()
-    smem = C.smem_bytes(mod.ws_bytes, mod.tfs, n_mels, nnz)
+    smem = mod.smem(WHISPER_HOP, n_mels, nnz)
     mod.ensure_smem(smem)
     stream = torch.cuda.current_stream(dev).cuda_stream
     es_in, es_out = pcm.element_size(), out.element_size()
@@ -225,14 +248,14 @@ def whisper_impl(pcm: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, o
 
 
 @torch.library.custom_op("glmasr::logmel_whisper", mutates_args=())
-def _whisper_op(pcm: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return whisper_impl(pcm, lengths, n_mels, out_bf16)
+def _whisper_op(pcm: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return whisper_impl(pcm, lengths, n_mels, out_dtype)
 
 
 @_whisper_op.register_fake
-def _(pcm, lengths, n_mels, out_bf16):
+def _(pcm, lengths, n_mels, out_dtype):
     B = pcm.shape[0]
-    out = pcm.new_empty((B, n_mels, WHISPER_FRAMES), dtype=torch.bfloat16 if out_bf16 else torch.float32)
+    out = pcm.new_empty((B, n_mels, WHISPER_FRAMES), dtype=out_dtype)
     return out, pcm.new_empty((B, WHISPER_FRAMES), dtype=torch.int32)
 
 
@@ -240,16 +263,17 @@ def _(pcm, lengths, n_mels, out_bf16):
 def mel_impl(
     x: torch.Tensor, sample_rate: float, n_fft: int, win_length: int, hop: int, f_min: float, f_max: float,
     pad: int, n_mels: int, power: float, normalized: str, center: bool, pad_mode: str, norm: str,
-    mel_scale: str, out_bf16: bool,
+    mel_scale: str, out_dtype: torch.dtype,
 ) -> torch.Tensor:
     B, T = x.shape
     dev = x.device
     nf = C.n_frames(T, n_fft, hop, pad, center)
-    out = torch.empty(B, n_mels, nf, dtype=torch.bfloat16 if out_bf16 else torch.float32, device=dev)
+    _out_flags(out_dtype)  # ValueError naming the accepted dtypes
+    out = torch.empty(B, n_mels, nf, dtype=out_dtype, device=dev)
     if B == 0:
         return out
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    cfg = _cfg(n_fft, n_mels, power, False, x.dtype == torch.int16, out_bf16, idx)
+    cfg = _cfg(n_fft, n_mels, power, False, x.dtype == torch.int16, out_dtype, idx)
     mod = get_module(cfg, idx)
     norm_v = None if norm == "" else norm
     norm_n = False if normalized == "" else normalized
@@ -257,7 +281,7 @@ def mel_impl(
     window, start, width, off, w, nnz = _filters(key, str(dev))
     n_tiles = -(-nf // mod.tf)
     x = x.contiguous()
-    smem = C.smem_bytes(mod.ws_bytes, mod.tfs, n_mels, nnz)
+    smem = mod.smem(hop, n_mels, nnz)
     mod.ensure_smem(smem)
     stream = torch.cuda.current_stream(dev).cuda_stream
     cpad = n_fft // 2 if center else 0
@@ -277,15 +301,15 @@ def mel_impl(
 def _mel_op(
     x: torch.Tensor, sample_rate: float, n_fft: int, win_length: int, hop: int, f_min: float, f_max: float,
     pad: int, n_mels: int, power: float, normalized: str, center: bool, pad_mode: str, norm: str,
-    mel_scale: str, out_bf16: bool,
+    mel_scale: str, out_dtype: torch.dtype,
 ) -> torch.Tensor:
     return mel_impl(x, sample_rate, n_fft, win_length, hop, f_min, f_max, pad, n_mels, power, normalized,
-                    center, pad_mode, norm, mel_scale, out_bf16)
+                    center, pad_mode, norm, mel_scale, out_dtype)
 
 
 @_mel_op.register_fake
 def _(x, sample_rate, n_fft, win_length, hop, f_min, f_max, pad, n_mels, power, normalized, center, pad_mode,
-      norm, mel_scale, out_bf16):
+      norm, mel_scale, out_dtype):
     B, T = x.shape
     nf = C.n_frames(T, n_fft, hop, pad, center)
-    return x.new_empty((B, n_mels, nf), dtype=torch.bfloat16 if out_bf16 else torch.float32)
+    return x.new_empty((B, n_mels, nf), dtype=out_dtype)

@@ -12,6 +12,14 @@ cache key), so one device call compiles and times all of them:
     LM_DIRECT 1   mel results stored from registers (no shared output tile: ~29 KB instead of ~53 KB smem)
     LM_MINB n     __launch_bounds__(threads, n): caps registers so that n blocks fit per SM
     pairs/iters   FFTs per block x iterations per block (frames per block = 2 * pairs * iters)
+  skeleton variants (LM_SKEL bits, kernels/logmel/logmel.cu; must be BIT-IDENTICAL to the default kernel,
+  checked with torch.equal on fp32, bf16 and fp16 output, besides the glmasr.features tolerance checks):
+    skel 1 stage  each iteration's input span staged into shared memory by cp.async, one iteration ahead
+    skel 2 pspec  power spectrum formed once per bin (float2 per mel tap instead of Z[k], Z[N-k] + recombination)
+    skel 4 tasks  packed filter descriptor (one shared load per mel task instead of three)
+  --set skel (default): the default kernel, its load+skeleton ablation and the skeleton variants (fits the
+  150 s breakdown step of scripts/device.sh logmel); --set all: also the older ablation / tiling table.
+  To ship a winner: kernels/logmel/_config.py WHISPER_SKEL = <bits> (and WHISPER_MINB if a minb column won).
 Also reports registers, local (spill) memory, static/dynamic shared memory and blocks per SM from
 cuOccupancyMaxActiveBlocksPerMultiprocessor. Writes $OUT/logmel_breakdown.json and .md.
 """
@@ -19,6 +27,7 @@ cuOccupancyMaxActiveBlocksPerMultiprocessor. Writes $OUT/logmel_breakdown.json a
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -48,10 +57,36 @@ def base_cfg(sm: int, out_bf16: bool = False) -> KernelConfig:
     """The production Whisper configuration (what kernels.logmel.whisper_features launches) for SM `sm`."""
     ept, pairs, iters = C.LAUNCH[400]
     return KernelConfig(400, pairs, iters, C.split_lanes(400, N_MELS), 0, True, False, out_bf16, sm, ept,
-                        C.WHISPER_DIRECT, C.WHISPER_MINB)
+                        C.WHISPER_DIRECT, C.WHISPER_MINB, skel=C.WHISPER_SKEL)
 
 
-def variants(sm: int):
+# skeleton variants: name -> LM_SKEL bits / other overrides, relative to the production configuration
+SKEL_VARIANTS = {
+    "skel1 stage": dict(skel=1),
+    "skel2 pspec": dict(skel=2),
+    "skel4 tasks": dict(skel=4),
+    "skel5 stage+tasks": dict(skel=5),
+    "skel7 stage+pspec+tasks": dict(skel=7),
+    "skel7 minb0 (no register cap)": dict(skel=7, minb=0),
+    "skel1 P8R4 (64 frames/block)": dict(skel=1, iters=4),
+}
+
+
+def skel_variants(sm: int):
+    b = base_cfg(sm)
+    ablations = {
+        "default": (b, True),
+        "default load+skeleton only (1|2|4)": (replace(b, variant=7), True),
+        "skel1 load+skeleton only (1|2|4)": (replace(b, skel=1, variant=7), True),
+        "skel7 load+skeleton only (1|2|4)": (replace(b, skel=7, variant=7), True),
+    }
+    tilings = {"default": b, **{k: replace(b, **kw) for k, kw in SKEL_VARIANTS.items()}}
+    return ablations, tilings
+
+
+def variants(sm: int, which: str = "skel"):
+    if which == "skel":
+        return skel_variants(sm)
     b = base_cfg(sm)
     d = replace(b, direct=True, minb=0)
     ablations = {  # name -> (cfg, finalize)
@@ -76,7 +111,8 @@ def variants(sm: int):
         "direct P8R4 (64 frames/block)": replace(d, iters=4),
         "direct P16R1 (32 frames/block, 320 thr)": replace(d, pairs=16, iters=1),
     }
-    return ablations, tilings
+    sa, st = skel_variants(sm)
+    return {**ablations, **sa}, {**tilings, **st}
 
 
 def _warm(cfg):
@@ -115,8 +151,13 @@ def occupancy(cfg: KernelConfig, nnz: int) -> dict:
     )
 
 
-def check(cfg: KernelConfig) -> dict:
-    """Max abs diff vs glmasr.features on mixed lengths (+ dirty tails, mask) and full rows; bf16 output."""
+_CHECK_INPUTS: dict = {}
+
+
+def _check_inputs():
+    """Inputs and references of check(), built once: 8 mixed-length rows with dirty tails, 8 full rows."""
+    if _CHECK_INPUTS:
+        return _CHECK_INPUTS
     from glmasr.features import log_mel_windows
     from glmasr.features import whisper_features as ref_whisper
 
@@ -134,24 +175,54 @@ def check(cfg: KernelConfig) -> dict:
     for i, n in enumerate(lens):
         dirty[i, n:] = float(rng.uniform(0.5, 2.0))
     rf, rm = ref_whisper(pieces, device="cuda")
-    L = torch.tensor(lens, device="cuda")
+    _CHECK_INPUTS.update(dirty=dirty, full=full, L=torch.tensor(lens, device="cuda"), rf=rf, rm=rm,
+                         ref_full=log_mel_windows(full))
+    # rows of 479999 samples: every other row starts off a 16-byte boundary (LM_STAGE's 4-byte cp.async path);
+    # int16 rows of 479998 samples: every other row is 4- but not 16-byte aligned (LM_STAGE's plain-copy path)
+    _CHECK_INPUTS["odd"] = dirty[:, :479999].contiguous()
+    _CHECK_INPUTS["i16"] = (dirty[:, :479998].clamp(-1, 1) * 32767).round().to(torch.int16).contiguous()
+    return _CHECK_INPUTS
+
+
+def _outputs(cfg: KernelConfig) -> dict:
+    """The kernel's outputs on the check inputs: fp32 mixed (+mask), fp32 full (+mask), bf16 and fp16 mixed."""
+    I = _check_inputs()
+    f, m = R.whisper_impl(I["dirty"], I["L"], N_MELS, None, cfg=replace(cfg, out_bf16=False, out_f16=False))
+    f2, m2 = R.whisper_impl(I["full"], None, N_MELS, None, cfg=replace(cfg, out_bf16=False, out_f16=False))
+    fb, _ = R.whisper_impl(I["dirty"], I["L"], N_MELS, None, cfg=replace(cfg, out_bf16=True, out_f16=False))
+    fh, _ = R.whisper_impl(I["dirty"], I["L"], N_MELS, None, cfg=replace(cfg, out_bf16=False, out_f16=True))
+    fo, mo = R.whisper_impl(I["odd"], I["L"].clamp(max=479999), N_MELS, None, cfg=replace(cfg, out_bf16=False, out_f16=False))
+    fi, _ = R.whisper_impl(I["i16"], None, N_MELS, None, cfg=replace(cfg, in_i16=True, out_bf16=False, out_f16=False))
+    torch.cuda.synchronize()
+    return dict(f=f, m=m, f2=f2, m2=m2, fb=fb, fh=fh, fo=fo, mo=mo, fi=fi)
+
+
+_DEFAULT_OUT: dict = {}
+
+
+def check(cfg: KernelConfig, default_cfg: KernelConfig | None = None) -> dict:
+    """Max abs diff vs glmasr.features on mixed lengths (+ dirty tails, mask) and full rows; bf16 and fp16
+    output within their rounding; and bitexact: every output equal (torch.equal) to default_cfg's."""
+    I = _check_inputs()
+    rf = I["rf"]
+    o = _outputs(cfg)
     res = {}
-    f, m = R.whisper_impl(dirty, L, N_MELS, False, cfg=cfg)
-    torch.cuda.synchronize()
-    res["mixed_max_abs"] = (f - rf).abs().max().item()
-    res["mixed_nan"] = bool(torch.isnan(f).any())
-    res["mask_equal"] = bool(torch.equal(m, rm))
-    ref_full = log_mel_windows(full)
-    f2, m2 = R.whisper_impl(full, None, N_MELS, False, cfg=cfg)
-    torch.cuda.synchronize()
-    res["full_max_abs"] = (f2 - ref_full).abs().max().item()
-    res["full_mask_all"] = bool(m2.all())
-    fb, _ = R.whisper_impl(dirty, L, N_MELS, True, cfg=replace(cfg, out_bf16=True))
-    torch.cuda.synchronize()
-    tol = rf.abs() * 2.0**-8 + 2e-4
-    res["bf16_ok"] = bool(((fb.float() - rf).abs() <= tol).all())
+    res["mixed_max_abs"] = (o["f"] - rf).abs().max().item()
+    res["mixed_nan"] = bool(torch.isnan(o["f"]).any())
+    res["mask_equal"] = bool(torch.equal(o["m"], I["rm"]))
+    res["full_max_abs"] = (o["f2"] - I["ref_full"]).abs().max().item()
+    res["full_mask_all"] = bool(o["m2"].all())
+    res["bf16_ok"] = bool(((o["fb"].float() - rf).abs() <= rf.abs() * 2.0**-8 + 2e-4).all())
+    res["fp16_ok"] = bool(((o["fh"].float() - rf).abs() <= rf.abs() * 2.0**-11 + 2e-4).all())
     res["ok"] = (res["mixed_max_abs"] <= 2e-4 and res["full_max_abs"] <= 2e-4 and not res["mixed_nan"]
-                 and res["mask_equal"] and res["full_mask_all"] and res["bf16_ok"])
+                 and res["mask_equal"] and res["full_mask_all"] and res["bf16_ok"] and res["fp16_ok"])
+    if default_cfg is not None:
+        if not _DEFAULT_OUT:
+            _DEFAULT_OUT.update(_outputs(default_cfg))
+        d = _DEFAULT_OUT
+        res["bitexact"] = all(torch.equal(o[k], d[k]) for k in o)
+        if not res["bitexact"]:
+            res["bitexact_diff"] = {k: (o[k].float() - d[k].float()).abs().max().item() for k in o}
     return res
 
 
@@ -161,6 +232,8 @@ def main():
     ap.add_argument("--batches", default="32,128")
     ap.add_argument("--compile-only", action="store_true", help="compile every variant (any host with NVRTC)")
     ap.add_argument("--sm", type=int, default=900)
+    ap.add_argument("--set", default="skel", choices=["skel", "all"],
+                    help="skel: default vs the LM_SKEL skeleton variants (default); all: also the older ablations/tilings")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -169,25 +242,28 @@ def main():
     if args.compile_only:
         from glmasr_kernels.logmel._build import nvrtc_compile
 
-        ab, ti = variants(args.sm)
+        ab, ti = variants(args.sm, args.set)
         cfgs = {repr(c): c for c in [c for c, _ in ab.values()] + list(ti.values())}
-        for c in cfgs.values():
-            _, log = nvrtc_compile(c, verbose_ptxas=True)
-            main_log = log[log.find("logmel_main"):]
+        with ProcessPoolExecutor(min(16, os.cpu_count() or 1)) as ex:
+            logs = list(ex.map(functools.partial(nvrtc_compile, verbose_ptxas=True), cfgs.values()))
+        for c, (_, log) in zip(cfgs.values(), logs):
+            main_log = log[log.find("'logmel_main'"):]
             print(c, "\n  ", " | ".join(ln.strip() for ln in main_log.splitlines()[1:4]), flush=True)
         return
 
     major, minor = torch.cuda.get_device_capability()
     sm = major * 100 + minor * 10
-    ab, ti = variants(sm)
+    ab, ti = variants(sm, args.set)
     cfgs = {repr(c): c for c in [c for c, _ in ab.values()] + list(ti.values())
-            + [replace(c, out_bf16=True) for c in ti.values()]}
+            + [replace(c, out_bf16=True) for c in ti.values()] + [replace(c, out_f16=True) for c in ti.values()]
+            + [replace(c, in_i16=True) for c in ti.values()]}
     t0 = time.time()
     with ProcessPoolExecutor(min(16, os.cpu_count() or 1)) as ex:
         secs = list(ex.map(_warm, cfgs.values()))
     print(f"compiled/loaded {len(cfgs)} configs in {time.time() - t0:.1f} s (max {max(secs):.1f} s each)", flush=True)
 
-    result = dict(device=torch.cuda.get_device_name(), sm=sm, n_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    result = dict(set=args.set, whisper_skel=C.WHISPER_SKEL, whisper_minb=C.WHISPER_MINB,
+                  device=torch.cuda.get_device_name(), sm=sm, n_sms=torch.cuda.get_device_properties(0).multi_processor_count)
     jpath, mpath = out / "logmel_breakdown.json", out / "logmel_breakdown.md"
 
     def dump():
@@ -209,7 +285,7 @@ def main():
     with torch.inference_mode():
         for name, cfg in ti.items():
             try:
-                checks[name] = check(cfg)
+                checks[name] = check(cfg, ti["default"])
             except Exception as e:  # noqa: BLE001
                 checks[name] = dict(ok=False, error=repr(e)[:300])
             print(f"check {name:40s} {checks[name]}", flush=True)
@@ -222,14 +298,17 @@ def main():
         timings = {}
         jobs = [("ablation", k, c, fin) for k, (c, fin) in ab.items()]
         jobs += [("tiling", k, c, True) for k, c in ti.items() if k not in ("default", "direct")]
+        if "default" not in ab:
+            jobs.insert(0, ("tiling", "default", ti["default"], True))
         for B in batches:
             nb_in = B * 480000 * 4
             nbytes = nb_in + B * N_MELS * 3000 * 4 + B * 3000 * 4
             ins = [torch.randn(B, 480000, device="cuda") * 0.1 for _ in range(n_inputs(nb_in))]
             for kind, name, cfg, fin in jobs:
-                if kind == "tiling" and not checks.get(name, {}).get("ok"):
-                    continue
-                fn = lambda x, cfg=cfg, fin=fin: R.whisper_impl(x, None, N_MELS, False, cfg=cfg, finalize=fin)  # noqa: E731
+                ck = checks.get(name, {})
+                if kind == "tiling" and not (ck.get("ok") and (ck.get("bitexact", True) or not name.startswith("skel"))):
+                    continue  # a skeleton variant must be bit-identical to the default kernel
+                fn = lambda x, cfg=cfg, fin=fin: R.whisper_impl(x, None, N_MELS, None, cfg=cfg, finalize=fin)  # noqa: E731
                 try:
                     ms = time_graph(fn, ins)
                 except Exception as e:  # noqa: BLE001
@@ -246,17 +325,17 @@ def main():
         dump()
 
     cols = [f"{B}x30s_ms" for B in batches]
-    lines = ["| variant | " + " | ".join(f"{B}x30s ms" for B in batches) + " | regs | local B | smem B | blocks/SM | warps/SM | check |",
-             "|---|" + "---|" * len(batches) + "---|---|---|---|---|---|"]
+    lines = ["| variant | " + " | ".join(f"{B}x30s ms" for B in batches) + " | regs | local B | smem B | blocks/SM | warps/SM | check | bit-exact |",
+             "|---|" + "---|" * len(batches) + "---|---|---|---|---|---|---|"]
     for name, t in timings.items():
         o = occ.get(name, {})
         ck = checks.get(name)
         ck_s = "-" if ck is None else ("ok %.1e" % max(ck.get("mixed_max_abs", 1), ck.get("full_max_abs", 1)) if ck.get("ok") else "FAIL")
         lines.append(f"| {name} | " + " | ".join(f"{t.get(c, float('nan')):.4f}" for c in cols)
                      + f" | {o.get('regs')} | {o.get('local_bytes')} | {(o.get('dyn_smem') or 0) + (o.get('static_smem') or 0)}"
-                     f" | {o.get('blocks_per_sm')} | {o.get('warps_per_sm')} | {ck_s} |")
+                     f" | {o.get('blocks_per_sm')} | {o.get('warps_per_sm')} | {ck_s} | {'-' if ck is None else ck.get('bitexact', '-')} |")
     for name, ck in checks.items():
-        if not ck.get("ok"):
+        if not ck.get("ok") or ck.get("bitexact") is False:
             lines.append(f"| {name} | correctness FAILED: {ck} |")
     md = "\n".join(lines)
     mpath.write_text(md + "\n")
