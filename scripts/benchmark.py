@@ -59,7 +59,7 @@ def sync_time(fn, warmup=2, runs=5):
 
 def measure_peaks():
     if DEV != "cuda":
-        return {"copy_GBps": float("nan"), "bf16_matmul_TFLOPs": float("nan")}
+        return {"copy_GBps": float("nan"), "read_GBps": float("nan"), "bf16_matmul_TFLOPs": float("nan")}
     buf = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(buf)
     copy_ms = sync_time(lambda: dst.copy_(buf), 3, 10)
@@ -67,7 +67,11 @@ def measure_peaks():
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_ms = sync_time(lambda: a @ b, 3, 10)
-    return {"copy_GBps": 2 * 2 * 1024 ** 3 / copy_ms / 1e6, "bf16_matmul_TFLOPs": 2 * 8192 ** 3 / mm_ms / 1e9}
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    from read_peak import read_GBps
+
+    return {"copy_GBps": 2 * 2 * 1024 ** 3 / copy_ms / 1e6, "read_GBps": read_GBps(),
+            "bf16_matmul_TFLOPs": 2 * 8192 ** 3 / mm_ms / 1e9}
 
 
 def clip(seconds: float, seed: int = 0):
@@ -374,43 +378,50 @@ def section_breakdown(asr, peaks):
 
         return (sync_time(run, 0, 1) if SMOKE else sync_time(run, 2, 10)) / steps, run
 
-    from dataclasses import replace
-
     from glmasr_kernels import skinny_gemm
 
-    # M = 1 configs of the attention GEMVs (qkv 3072 x 2048, o 2048 x 2048: 2 K tiles each, few programs per
-    # SM) with both tiles loaded before the PDL wait; the global 2-tile switch also changes the big matrices
-    small_keys = [key for key in ((3072, 2048, 1, False), (2048, 2048, 1, False))
-                  if skinny_gemm.CONFIGS.get(key) is not None]
-    preload_small = {key: replace(skinny_gemm.CONFIGS[key], preload=2) for key in small_keys}
+    # The step as shipped (fused chain: norms in the GEMV prologues, residual adds in their epilogues, RoPE +
+    # append in attention; L2 prefetch of each GEMV program's weight slice before the PDL wait) against each
+    # change undone, at batch 1 and 8.
     variants = {}
     saved_gemm = getattr(model, "decode_gemm", None)
-    saved_preload = skinny_gemm.PRELOAD_TILES
-    saved_configs = dict(skinny_gemm.CONFIGS)
+    saved_fused = getattr(model, "fused_decode", None)
+    saved_l2 = skinny_gemm.L2_PREFETCH
     try:
-        for label, pdl, gemm, preload, configs in (
-                ("default", None, saved_gemm, saved_preload, {}),
-                ("GEMV preloads 2 tiles", None, saved_gemm, 2, {}),
-                ("qkv and o GEMVs preload 2 tiles", None, saved_gemm, saved_preload, preload_small),
-                ("no PDL", False, saved_gemm, saved_preload, {}),
-                ("cuBLAS GEMMs, no PDL", False, "cublas", saved_preload, {})):
+        for label, pdl, gemm, fused, l2 in (
+                ("default", None, saved_gemm, saved_fused, saved_l2),
+                ("no L2 prefetch", None, saved_gemm, saved_fused, False),
+                ("unfused chain", None, saved_gemm, False, saved_l2),
+                ("unfused chain, no L2 prefetch (before)", None, saved_gemm, False, False),
+                ("no PDL", False, saved_gemm, saved_fused, saved_l2),
+                ("cuBLAS GEMMs, no PDL", False, "cublas", saved_fused, saved_l2)):
+            if SMOKE and label not in ("default", "unfused chain, no L2 prefetch (before)"):
+                continue
             _triton_utils.set_pdl(pdl)
-            skinny_gemm.PRELOAD_TILES = preload
-            skinny_gemm.CONFIGS.update(configs)
+            skinny_gemm.L2_PREFETCH = l2
             if saved_gemm is not None:
-                model.decode_gemm = gemm
+                model.decode_gemm, model.fused_decode = gemm, fused
             runner = decode_runner(model, 1024 if SMOKE else 4096)
             variants[label], _ = step_ms(runner)
             del runner
-            skinny_gemm.CONFIGS.clear()
-            skinny_gemm.CONFIGS.update(saved_configs)
+            if label == "default" or label.startswith("unfused chain, no"):
+                runner = Engine(model, max_batch=8).runner
+                with torch.inference_mode():
+                    runner.ensure_capacity(1024 if SMOKE else 4096)
+                fill_decode_state(runner, cfg, ctx)
+
+                def run8():
+                    runner.step_index.zero_()
+                    runner.positions.fill_(ctx - 1)
+                    runner.decode(8, ctx + 1, 8)
+
+                variants[label + ", batch 8"] = (sync_time(run8, 0, 1) if SMOKE else sync_time(run8, 2, 10)) / 8
+                del runner
     finally:
         _triton_utils.set_pdl(None)
-        skinny_gemm.PRELOAD_TILES = saved_preload
-        skinny_gemm.CONFIGS.clear()
-        skinny_gemm.CONFIGS.update(saved_configs)
+        skinny_gemm.L2_PREFETCH = saved_l2
         if saved_gemm is not None:
-            model.decode_gemm = saved_gemm
+            model.decode_gemm, model.fused_decode = saved_gemm, saved_fused
     report["decode_step_graph_ms"] = variants
     runner = decode_runner(model, 1024 if SMOKE else 4096, cuda_graphs=False)
     step_ms(runner, 1)
@@ -424,6 +435,8 @@ def section_breakdown(asr, peaks):
     del runner
     print({"decode_step_graph_ms": variants}, report["decode_step_kernels"], flush=True)
 
+    report["encoder_variants_ms_per_window"] = encoder_variants(model, asr.config.audio.num_mel_bins)
+    print(report["encoder_variants_ms_per_window"], flush=True)
     for w in ((1,) if SMOKE else (1, 32)):
         feats = torch.randn(w, asr.config.audio.num_mel_bins, 3000, device=DEV)
         with torch.inference_mode():
@@ -434,6 +447,39 @@ def section_breakdown(asr, peaks):
         report[f"encoder_{w}_windows_per_window"] = st
         print(w, st, flush=True)
     return report
+
+
+def encoder_variants(model, n_mels: int) -> dict:
+    """Encoder per window (graphed ``encode_audio``, 1 and 32 windows) with each op's implementation switched
+    (``FastGlmAsrModel.encoder_kernels``): today's choice, then each op alone on the other implementation, then
+    all GEMMs and attention on the Triton kernels."""
+    if not hasattr(model, "encoder_kernels") or DEV != "cuda":
+        return {}  # the Triton encoder kernels over 1500-frame windows take minutes in the CPU interpreter
+    saved = dict(model.encoder_kernels)
+    def alternative(op, impl):
+        return "triton" if impl != "triton" else ("sdpa" if op == "attention" else "cublas")
+
+    cases = [("default", {})] + [(f"{op} -> {alternative(op, v)}", {op: alternative(op, v)}) for op, v in saved.items()]
+    cases.append(("all triton", {op: "triton" for op in saved}))
+    table = {}
+    try:
+        for label, change in cases:
+            model.encoder_kernels = dict(saved, **change)
+            model.reset_encoder_graphs()
+            row = {}
+            for w in ((1,) if SMOKE else (1, 32)):
+                feats = torch.randn(w, n_mels, 3000, device=DEV)
+                try:
+                    with torch.inference_mode():
+                        row[w] = sync_time(lambda: model.encode_audio(feats), 1, 1 if SMOKE else 5) / w
+                except Exception as e:  # a kernel that fails to compile or run here: recorded, not fatal
+                    row[w] = f"{type(e).__name__}: {str(e)[:200]}"
+            table[label] = row
+            print(label, row, flush=True)
+    finally:
+        model.encoder_kernels = saved
+        model.reset_encoder_graphs()
+    return table
 
 
 # Cold start: one fresh process per case (scripts/bench/coldstart_child.py, the program each case runs), with the

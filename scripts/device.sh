@@ -20,6 +20,9 @@
 #                          ARGS: tunes the decode GEMV configs (OUT/skinny_configs.py) (the rest, ~350)
 # trace                    latency_trace.py --out OUT/trace: the 3.5 s / 13-token case profiled (~555)
 # logmel [ARGS]            logmel_breakdown.py (150), bench_logmel.py ARGS (240), one ncu pass if >= 80 s are left
+# experiments              issue 13's A/B call: GPU tests of the new kernels (130), encoder_gemm.py (90),
+#                          encoder_attention.py (90), benchmark.sh --only breakdown (decode-step variants, 120),
+#                          logmel_breakdown.py (the rest, <= 120); the JSONs merged into OUT/experiments.json
 # all [BENCH-ARGS]         tests (${ALL_TESTS_S:-200}, prewarm included; ALL_TESTS_ARGS="FILES -k ..." replaces the
 #                          selection), then bash benchmark.sh BENCH-ARGS with the rest (~345)
 #
@@ -38,7 +41,7 @@ DEADLINE=${DEVICE_DEADLINE_S:-580}
 RESERVE=25      # timeout's kill grace (15 s) + the summary
 MIN_STEP=30     # a step with less time than this is skipped
 DRY=${DEVICE_DRY_RUN:-0}
-MODES="tests bench coldstart kernels logits sweep trace logmel all"
+MODES="tests bench coldstart kernels logits sweep trace logmel experiments all"
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 case " $MODES " in
@@ -156,6 +159,24 @@ case $MODE in
                 --section SpeedOfLight --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
                 python3 -c "import torch; from glmasr_kernels.logmel import whisper_features as w; x=torch.randn(128,480000,device='cuda')*0.1; w(x); w(x); torch.cuda.synchronize()"
         fi ;;
+    experiments)
+        [ $# -gt 0 ] || set -- tests/test_skinny_gemm.py tests/test_gemm_epilogue.py tests/test_encoder_attention.py \
+            tests/test_fast_path.py tests/test_triton_kernels.py -k "not nvrtc_compiles"
+        run_tests 130 "$@"
+        mkdir -p "$OUT/exp"
+        step encoder_gemm 90 encoder_gemm.log python3 scripts/bench/encoder_gemm.py --out "$OUT/exp" --budget-s 75
+        step encoder_attention 90 encoder_attention.log python3 scripts/bench/encoder_attention.py --out "$OUT/exp" \
+            --budget-s 75
+        step breakdown 120 breakdown.log bash benchmark.sh --only breakdown --no-peers --out "$OUT/exp/bench"
+        step logmel 120 logmel.log python3 scripts/bench/logmel_breakdown.py --out "$OUT/exp"
+        [ "$DRY" = 1 ] || python3 - "$OUT" <<'PY'
+import json, pathlib, shutil, sys
+out = pathlib.Path(sys.argv[1])
+merged = {str(p.relative_to(out / "exp")): json.loads(p.read_text()) for p in sorted((out / "exp").rglob("*.json"))}
+(out / "experiments.json").write_text(json.dumps(merged, indent=1))
+shutil.rmtree(out / "exp")
+PY
+        ;;
     all)
         # shellcheck disable=SC2086 # ALL_TESTS_ARGS: pytest arguments (files, -k), split on spaces
         run_tests "${ALL_TESTS_S:-200}" ${ALL_TESTS_ARGS:-}

@@ -59,6 +59,78 @@ def test_fast_greedy_tokens_equal_reference_mixed_batch(both_paths):
     assert [r.finish_reason for r in a] == [r.finish_reason for r in b]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_step_equals_unfused_chain(tiny_shipped, dtype):
+    """The fused decode step (norms in the GEMV prologues, residual adds in their epilogues, RoPE + KV append in
+    decode attention) against the unfused kernel chain, same weights, a prompt then 3 steps of 3 rows (one a
+    padding row at position -1), from the same KV contents: the same hidden states and cache writes. The two
+    chains round at the same points; only the order of RMSNorm's fp32 sum of squares differs, so fp32 agrees to
+    1e-5 relative (observed ~1e-7) and bf16 within one bf16 ulp of the output (2**-7 relative) at >= 99 % of
+    the elements bit for bit."""
+    from glmasr.models.fast import FastGlmAsrModel
+    from glmasr.models.kv_cache import KVCache
+
+    if dtype == "bfloat16" and not torch.cuda.is_available():
+        pytest.skip("bf16 chain comparison runs on the GPU (the interpreter's bf16 is fp32 truncated)")
+    ref = glmasr.load(tiny_shipped, device=DEVICE, dtype=dtype, backend="torch")
+    fast = FastGlmAsrModel(ref.model, decode_gemm="skinny")
+    c = fast.cfg.text
+    dt = getattr(torch, dtype)
+    g = torch.Generator(device="cpu").manual_seed(11)
+    prompt = torch.randn(3, 12, c.hidden_size, generator=g).to(device=DEVICE, dtype=dt)
+    caches = [KVCache(c, 3, 64, DEVICE, dt) for _ in range(2)]
+    for cache in caches:
+        fast.decode(prompt, torch.arange(12, device=DEVICE).expand(3, 12), cache, kv_len=12)
+    outs = []
+    for fused, cache in zip((True, False), caches):
+        fast.fused_decode = fused
+        steps = []
+        for i in range(3):
+            x = torch.randn(3, 1, c.hidden_size, generator=torch.Generator().manual_seed(20 + i)).to(DEVICE, dt)
+            pos = torch.tensor([[12 + i], [-1], [12 + i]], device=DEVICE)
+            steps.append(fast.decode(x, pos, cache, kv_len=32))
+        outs.append((torch.stack(steps), cache))
+    (a, ca), (b, cb) = outs
+    assert torch.isfinite(a[:, [0, 2]]).all()
+    if dtype == "float32":
+        assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
+        assert torch.allclose(ca.k[0][:, :, :15], cb.k[0][:, :, :15], rtol=1e-5, atol=1e-6)
+    else:
+        assert (a == b).float().mean().item() >= 0.99
+        assert ((a - b).abs() <= 2 ** -7 * b.abs() + 1e-6).all()
+    assert torch.isfinite(ca.k[0][[0, 2], :, 12:15]).all()
+
+
+@pytest.mark.parametrize("ops", [("qkv", "o", "fc1", "fc2", "attention"), ("attention",), ("fc1", "fc2")],
+                         ids=lambda ops: "+".join(ops))
+def test_encoder_triton_kernels_equal_cublas_sdpa_path(both_paths, ops):
+    """Encoder ops switched to the Triton kernels (kernels/gemm_epilogue.py, kernels/encoder_attention.py) give
+    the audio embeddings of the cuBLAS / SDPA path, fp32 (the GEMMs and attention differ in summation order
+    only, and fc1 rounds acc + bias before the GELU: nothing in fp32): 1e-5 relative to the largest value."""
+    from glmasr.models.fast import ENCODER_KERNELS
+
+    from glmasr_kernels.layernorm import layer_norm
+
+    _, fast = both_paths
+    model = fast.model
+    # the layers over a whole window on the GPU; at a short length under the interpreter (the kernels take any
+    # T; 1500 frames of attention take minutes there)
+    w, t, hidden = 2, 1500 if torch.cuda.is_available() else 45, fast.config.audio.hidden_size
+    g = torch.Generator().manual_seed(5)
+    residual = torch.randn(w, t, hidden, generator=g).to(DEVICE)
+    positions = torch.arange(t, device=DEVICE, dtype=torch.int32).expand(w, t)
+    h0 = layer_norm(residual, *model.enc_layers[0].ln1, fast.config.audio.layer_norm_eps)
+    try:
+        model.encoder_kernels = {op: "sdpa" if op == "attention" else "cublas" for op in ENCODER_KERNELS}
+        base = model._encoder_layers(h0, residual.clone(), positions)
+        model.encoder_kernels.update({op: "triton" for op in ops})
+        got = model._encoder_layers(h0, residual.clone(), positions)
+    finally:
+        model.encoder_kernels = dict(ENCODER_KERNELS)
+    assert torch.isfinite(got).all()
+    assert ((got - base).abs().max() / base.abs().max()).item() < 1e-5
+
+
 def test_backend_validation(tiny_shipped):
     with pytest.raises(ValueError, match="unknown backend"):
         glmasr.load(tiny_shipped, device="cpu", backend="cuda-graphs")

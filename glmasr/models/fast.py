@@ -55,6 +55,11 @@ LOGMEL_MEL_BINS = (80, 128)
 _DECODE_BLOCK_N = 64
 
 
+# Default implementation per encoder op (FastGlmAsrModel.encoder_kernels): the faster one measured on the H200
+# (notes/measurements.md).
+ENCODER_KERNELS = {"qkv": "cublas", "o": "cublas", "fc1": "cublas", "fc2": "cublas", "attention": "sdpa"}
+
+
 class KernelFallbackWarning(UserWarning):
     """A part of the model runs on the plain PyTorch path because its config does not fit a kernel."""
 
@@ -190,6 +195,9 @@ class FastGlmAsrModel:
         if decode_gemm not in ("cublas", "skinny"):
             raise ValueError(f"decode_gemm must be 'cublas' or 'skinny', got {decode_gemm!r}")
         self.decode_gemm = decode_gemm
+        # Decode steps (one token per row, <= 16 rows) as the fused chain (``_decode_step_fused``); False runs the
+        # unfused kernel chain of ``decode`` (separate RMSNorm, RoPE + append launches), for A/B measurements.
+        self.fused_decode = True
         self.reference = reference
         self.cfg = cfg = reference.cfg
         # Parts whose config a kernel cannot serve run on the reference modules: the instance attributes below
@@ -228,6 +236,11 @@ class FastGlmAsrModel:
         # Encoder attention (1500 x 1500 per head, no mask): SDPA backends in priority order; the first that
         # supports the call runs (cuDNN's Hopper kernel first; fp32 falls through to the efficient/math ones).
         self.encoder_sdpa = ("cudnn", "flash", "efficient", "math")
+        # Per encoder op, which implementation runs: "cublas" (F.linear; fc1 + the GELU kernel; o / fc2 with the
+        # residual add inside the LayerNorm kernel) or "triton" (kernels/gemm_epilogue.py: bias, GELU and the
+        # residual add in the GEMM's epilogue); attention "sdpa" (rope_ + torch SDPA + transpose copy) or
+        # "triton" (kernels/encoder_attention.py, RoPE on load). Chosen per op by measurement (ENCODER_KERNELS).
+        self.encoder_kernels = dict(ENCODER_KERNELS)
         # Decoder prefill (causal, GQA): flash first. Prefill shapes vary with the prompts batched together, and
         # cuDNN builds an execution plan for every new shape, which a first call over mixed clips paid again and
         # again; flash needs none. (The encoder's shapes are a few fixed buckets, where cuDNN's speed pays.)
@@ -296,20 +309,46 @@ class FastGlmAsrModel:
                         p.linear_2.weight, p.linear_2.bias)
 
     def _encoder_layers(self, h: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The encoder layers; each op on the implementation ``encoder_kernels`` names for it. ``residual`` is
+        this pass's own buffer (``_encode_eager`` made it), so the fused epilogues update it in place."""
         a = self.cfg.audio
         w, t, hidden = residual.shape
         eps = a.layer_norm_eps
+        ek = self.encoder_kernels
+        if any(ek[op] == "triton" for op in ("qkv", "o", "fc1", "fc2")):
+            from glmasr_kernels import gemm_epilogue as ge
+        if ek["attention"] == "triton":
+            from glmasr_kernels.encoder_attention import encoder_attention
         for i, lw in enumerate(self.enc_layers):
-            qkv = F.linear(h, lw.w_qkv, lw.b_qkv).view(w, t, 3, a.num_attention_heads, a.head_dim)
-            q, k, v = qkv.unbind(2)
-            rope_(q, k, positions, self.enc_cos, self.enc_sin)
-            attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  scale=a.head_dim ** -0.5)
-            o = F.linear(attn.transpose(1, 2).reshape(w, t, hidden), lw.w_o, lw.b_o)
-            h, residual = layer_norm(o, *lw.ln2, eps, residual=residual)
-            m = F.linear(gelu_bias(F.linear(h, lw.w_fc1), lw.b_fc1), lw.w_fc2, lw.b_fc2)
+            if ek["qkv"] == "triton":
+                qkv = ge.linear_bias(h, lw.w_qkv, lw.b_qkv)
+            else:
+                qkv = F.linear(h, lw.w_qkv, lw.b_qkv)
+            qkv = qkv.view(w, t, 3, a.num_attention_heads, a.head_dim)
+            if ek["attention"] == "triton":
+                # RoPE on load, output (W, T, H, D): no rope_ launch, no transpose copy
+                attn = encoder_attention(qkv, self.enc_cos, self.enc_sin, sm_scale=a.head_dim ** -0.5).view(w, t, hidden)
+            else:
+                q, k, v = qkv.unbind(2)
+                rope_(q, k, positions, self.enc_cos, self.enc_sin)
+                attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                      scale=a.head_dim ** -0.5)
+                attn = attn.transpose(1, 2).reshape(w, t, hidden)
+            if ek["o"] == "triton":
+                residual = ge.linear_bias_residual(attn, lw.w_o, lw.b_o, residual, out=residual)
+                h = layer_norm(residual, *lw.ln2, eps)
+            else:
+                h, residual = layer_norm(F.linear(attn, lw.w_o, lw.b_o), *lw.ln2, eps, residual=residual)
+            if ek["fc1"] == "triton":
+                g = ge.linear_gelu(h, lw.w_fc1, lw.b_fc1)
+            else:
+                g = gelu_bias(F.linear(h, lw.w_fc1), lw.b_fc1)
             nxt = self.enc_layers[i + 1].ln1 if i + 1 < len(self.enc_layers) else self.enc_norm
-            h, residual = layer_norm(m, *nxt, eps, residual=residual)
+            if ek["fc2"] == "triton":
+                residual = ge.linear_bias_residual(g, lw.w_fc2, lw.b_fc2, residual, out=residual)
+                h = layer_norm(residual, *nxt, eps)
+            else:
+                h, residual = layer_norm(F.linear(g, lw.w_fc2, lw.b_fc2), *nxt, eps, residual=residual)
         return h
 
     # ---- text ----
@@ -326,6 +365,8 @@ class FastGlmAsrModel:
         prefill = t > 1
         if prefill and kv_len != t:
             raise ValueError("the fast path prefills from slot 0 only (kv_len must equal the prompt length)")
+        if not prefill and self._fused_step_fits(b):
+            return self._decode_step_fused(embeds, positions, cache, kv_len, rows)
         eps = c.rms_norm_eps
         residual = embeds
         h = rms_norm(embeds, self.dec_layers[0].ln1, eps)
@@ -350,6 +391,47 @@ class FastGlmAsrModel:
             nxt = self.dec_layers[i + 1].ln1 if i + 1 < len(self.dec_layers) else self.final_norm
             h, residual = rms_norm(mlp, nxt, eps, residual=residual)
         return h
+
+    def _fused_step_fits(self, batch: int) -> bool:
+        """Whether a decode step of ``batch`` rows runs the fused chain (``fused_decode``, the skinny GEMMs, and
+        a skinny config for each of the layer's four shapes at this row count)."""
+        if not self.fused_decode or self.decode_gemm != "skinny":
+            return False
+        from glmasr_kernels.skinny_gemm import select
+
+        c = self.cfg.text
+        qkv_rows = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        inter = self.dec_layers[0].w_down.shape[1]
+        return all(select(batch, n, k, sw) is not None for n, k, sw in (
+            (qkv_rows, c.hidden_size, False), (c.hidden_size, c.num_attention_heads * c.head_dim, False),
+            (2 * inter, c.hidden_size, True), (c.hidden_size, inter, False)))
+
+    def _decode_step_fused(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
+                           rows: torch.Tensor | None) -> torch.Tensor:
+        """One decode step (T == 1) as 5 launches per layer instead of 8: the RMSNorms run inside the GEMVs that
+        read their output (prologue), the residual adds inside the GEMVs that produce them (epilogue, in place
+        on one residual stream), RoPE + the KV append inside decode attention. Same roundings as ``decode``'s
+        unfused chain (tests/test_fast_path.py compares the two)."""
+        from glmasr_kernels.decode_attention import decode_attention_rope_append
+        from glmasr_kernels.skinny_gemm import skinny_gemm, skinny_gemm_swiglu
+
+        c = self.cfg.text
+        b, _, hidden = embeds.shape
+        nq, nk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        eps = c.rms_norm_eps
+        lengths = positions[:, 0] + 1
+        res = embeds.view(b, hidden)
+        for i, lw in enumerate(self.dec_layers):
+            qkv = skinny_gemm(res, lw.w_qkv, norm_weight=lw.ln1, eps=eps)
+            attn = decode_attention_rope_append(
+                qkv[:, : nq * d].view(b, nq, d), qkv[:, nq * d:(nq + nk) * d].view(b, nk, d),
+                qkv[:, (nq + nk) * d:].view(b, nk, d), self.dec_cos, self.dec_sin, cache.k[i], cache.v[i], lengths,
+                max_len=kv_len, cache_rows=rows, sm_scale=d ** -0.5)
+            # layer 0 starts the stream in a new buffer (the embeddings are the caller's); in place after that
+            res = skinny_gemm(attn.view(b, nq * d), lw.w_o, residual=res, out=None if i == 0 else res)
+            act = skinny_gemm_swiglu(res, lw.w_gate_up, norm_weight=lw.ln2, eps=eps)
+            skinny_gemm(act, lw.w_down, residual=res, out=res)
+        return rms_norm(res, self.final_norm, eps).view(b, 1, hidden)
 
     def _decode_linears(self, prefill: bool):
         """(linear, linear_swiglu) for this call: cuBLAS (+ the SwiGLU kernel), or the skinny GEMV kernels."""
