@@ -76,10 +76,12 @@ class AttnConfig:
                 f"{'x2' if self.subtiles == 2 else ''}{'' if self.pipelined else '-nopipe'}")
 
 
-# Defaults for the H200 (to be replaced by the best of scripts/bench/encoder_attention.py's table).
+# The best of scripts/bench/encoder_attention.py's table on the H200 (2026-12-01, 20 candidates, 1 and 32 windows of
+# 1500 x 20 heads x 64): with RoPE on load m256n64w8s3 (49.5 / 1487 us; today's rope_ + cuDNN + copy 44.0 / 1092),
+# without m128n64w8s3 (after rope_: 38.9 / 1030 us, 296 / 358 TFLOP/s).
 CONFIGS = {
-    "rope": AttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
-    "plain": AttnConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
+    "rope": AttnConfig(block_m=256, block_n=64, num_warps=8, num_stages=3),
+    "plain": AttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
 }
 # Small tiles for the CPU interpreter (it pays per op, not per element; tests pass their own configs too).
 INTERPRET_CONFIG = AttnConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)

@@ -47,10 +47,10 @@ Fused prologue and epilogue for the decode step's chain (glmasr/models/fast.py):
   ``residual + linear(x)``; ``out=r`` updates the stream in place (each program reads exactly the residual
   elements it writes; with split-K the reduce kernel does it).
 
-PDL (sm_90+, ``_triton_utils.pdl_launch``): the first W tile of each program is loaded before ``pdl_wait``,
-and with ``L2_PREFETCH`` the rest of the program's weight slice is requested into L2 by one bulk prefetch per
-W row (``cp.async.bulk.prefetch.L2``, no registers held), so in a chain of decode kernels the weight stream
-starts while the previous kernel drains. ``*_ref`` are the plain-torch
+PDL (sm_90+, ``_triton_utils.pdl_launch``): the first W tile of each program is loaded before ``pdl_wait``
+(SASS: the LDGs precede the griddepcontrol wait), so in a chain of decode kernels the weight stream starts
+while the previous kernel drains. ``L2_PREFETCH`` (off: measured slower) also requests the rest of the
+program's weight slice into L2 there, one bulk prefetch per W row (``cp.async.bulk.prefetch.L2``). ``*_ref`` are the plain-torch
 references (fp32 math on the given, already rounded, inputs).
 
 Interpreter (TRITON_INTERPRET=1): CPU tensors accepted; tl.dot is fed fp32 copies (its bf16 dot is wrong); the
@@ -474,8 +474,11 @@ _WS: dict[tuple[str, int | None], list[torch.Tensor]] = {}
 # Measured on the H200 (benchmark.sh breakdown, same run): decode step 1.266 ms with 1, 1.323 ms with 2 (the
 # extra registers cost more than the earlier bytes in flight gain). The tensor-core path always uses 1.
 PRELOAD_TILES = 1
-# Bulk-prefetch each program's remaining weight slice into L2 before the PDL wait (sm_90; off without PDL).
-L2_PREFETCH = True
+# Bulk-prefetch each program's remaining weight slice into L2 before the PDL wait (sm_90; off without PDL). Off:
+# measured slower on the H200 (benchmark.sh breakdown, 2026-12-01): decode step 1.359 ms with it vs 1.269 ms
+# without at batch 1 (the prefetches compete with the demand loads of the kernel still running, and at batch 8
+# the tensor-core configs' whole slices overrun L2: 2.87 vs 1.64 ms). Kept as the switch the breakdown A/Bs.
+L2_PREFETCH = False
 
 
 def _preload(cfg: SkinnyConfig) -> int:

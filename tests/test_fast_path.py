@@ -101,7 +101,8 @@ def test_fused_decode_step_equals_unfused_chain(tiny_shipped, dtype):
     assert torch.isfinite(ca.k[0][[0, 2], :, 12:15]).all()
 
 
-@pytest.mark.parametrize("ops", [("qkv", "o", "fc1", "fc2", "attention"), ("attention",), ("fc1", "fc2")],
+@pytest.mark.parametrize("ops", [("qkv", "o", "fc1", "fc2", "attention"), ("attention",), ("fc1", "fc2"),
+                                 ("triton-rope",)],
                          ids=lambda ops: "+".join(ops))
 def test_encoder_triton_kernels_equal_cublas_sdpa_path(both_paths, ops):
     """Encoder ops switched to the Triton kernels (kernels/gemm_epilogue.py, kernels/encoder_attention.py) give
@@ -120,13 +121,15 @@ def test_encoder_triton_kernels_equal_cublas_sdpa_path(both_paths, ops):
     residual = torch.randn(w, t, hidden, generator=g).to(DEVICE)
     positions = torch.arange(t, device=DEVICE, dtype=torch.int32).expand(w, t)
     h0 = layer_norm(residual, *model.enc_layers[0].ln1, fast.config.audio.layer_norm_eps)
+    saved = dict(model.encoder_kernels)
     try:
         model.encoder_kernels = {op: "sdpa" if op == "attention" else "cublas" for op in ENCODER_KERNELS}
         base = model._encoder_layers(h0, residual.clone(), positions)
-        model.encoder_kernels.update({op: "triton" for op in ops})
+        model.encoder_kernels.update({"attention": "triton-rope"} if ops == ("triton-rope",) else
+                                     {op: "triton" for op in ops})
         got = model._encoder_layers(h0, residual.clone(), positions)
     finally:
-        model.encoder_kernels = dict(ENCODER_KERNELS)
+        model.encoder_kernels = saved
     assert torch.isfinite(got).all()
     assert ((got - base).abs().max() / base.abs().max()).item() < 1e-5
 

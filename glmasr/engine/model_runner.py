@@ -19,6 +19,7 @@ steps (CUDA graphs per batch and KV-length bucket), the sync-free read-back, war
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 
@@ -108,6 +109,9 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._seen_buckets: set[tuple[int, int]] = set()  # decode buckets that ran once without a graph
         self._prefill_graphs: dict[int, tuple] = {}
+        # What the device side did, for breakdowns (benchmarks, /metrics): graph captures and their host ms,
+        # decode rounds run eagerly (a bucket's first round), prefills by kind. Counts only; nothing syncs for it.
+        self.stats: collections.Counter = collections.Counter()
         self.pool = cuda_graphs.GraphPool()
         # The Triton decoder path fuses the step's argmax and bookkeeping into one kernel (~30 launches less).
         self.fused_commit = bool(getattr(model, "uses_triton", False))
@@ -197,6 +201,7 @@ class ModelRunner:
             first, first_logprob = self._graphed_prefill(bkt, embeds[0], lengths[0], slots[0])
         else:
             groups = length_groups(lengths)
+            self.stats["prefills_padded"] += len(groups)
             picks = [self._padded_prefill([slots[i] for i in g], [embeds[i] for i in g], [lengths[i] for i in g])
                      for g in groups]
             first = torch.cat([p[0] for p in picks]) if len(picks) > 1 else picks[0][0]
@@ -244,10 +249,14 @@ class ModelRunner:
         The padding writes KV slots [length, bkt) of the row, which decoding overwrites before it reads them."""
         entry = self._prefill_graphs.get(bkt)
         if entry is None:
+            t0 = time.perf_counter()
             static = self._prefill_buffers(bkt)
             static["row"].fill_(slot)  # warm-up writes go to the row being admitted, which the replay rewrites
             graph, _ = cuda_graphs.capture(lambda: self._prefill_forward(static, bkt), self.device, self.pool.handle)
             entry = self._prefill_graphs[bkt] = (graph, static)
+            self.stats["prefill_captures"] += 1
+            self.stats["prefill_capture_ms"] += 1e3 * (time.perf_counter() - t0)
+        self.stats["prefills_graphed"] += 1
         graph, static = entry
         static["embeds"][0, :length] = embeds[:length]
         static["embeds"][0, length:].zero_()
@@ -303,10 +312,15 @@ class ModelRunner:
             # passing through on a fresh engine) never earns back. warmup() captures ahead.
             if (b, kv_len) not in self._seen_buckets:
                 self._seen_buckets.add((b, kv_len))
+                self.stats["decode_rounds_eager"] += 1
                 for _ in range(steps):
                     self._decode_step(b, kv_len)
                 return
+            t0 = time.perf_counter()
             graph = self._capture_decode(b, kv_len)
+            self.stats["decode_captures"] += 1
+            self.stats["decode_capture_ms"] += 1e3 * (time.perf_counter() - t0)
+        self.stats["decode_rounds_graphed"] += 1
         for _ in range(steps):
             graph.replay()
 

@@ -57,7 +57,7 @@ _DECODE_BLOCK_N = 64
 
 # Default implementation per encoder op (FastGlmAsrModel.encoder_kernels): the faster one measured on the H200
 # (notes/measurements.md).
-ENCODER_KERNELS = {"qkv": "cublas", "o": "cublas", "fc1": "cublas", "fc2": "cublas", "attention": "sdpa"}
+ENCODER_KERNELS = {"qkv": "cublas", "o": "cublas", "fc1": "cublas", "fc2": "cublas", "attention": "triton"}
 
 
 class KernelFallbackWarning(UserWarning):
@@ -238,9 +238,14 @@ class FastGlmAsrModel:
         self.encoder_sdpa = ("cudnn", "flash", "efficient", "math")
         # Per encoder op, which implementation runs: "cublas" (F.linear; fc1 + the GELU kernel; o / fc2 with the
         # residual add inside the LayerNorm kernel) or "triton" (kernels/gemm_epilogue.py: bias, GELU and the
-        # residual add in the GEMM's epilogue); attention "sdpa" (rope_ + torch SDPA + transpose copy) or
-        # "triton" (kernels/encoder_attention.py, RoPE on load). Chosen per op by measurement (ENCODER_KERNELS).
+        # residual add in the GEMM's epilogue); attention "sdpa" (rope_ + torch SDPA + transpose copy), "triton"
+        # (rope_ + kernels/encoder_attention.py writing o_proj's layout) or "triton-rope" (RoPE on load).
+        # Chosen per op by measurement (ENCODER_KERNELS).
         self.encoder_kernels = dict(ENCODER_KERNELS)
+        if interpreting():
+            # 1500-frame attention takes minutes in Triton's CPU interpreter: CPU tests keep torch SDPA here (the
+            # kernel's own tests and test_fast_path's switch test run it at short lengths)
+            self.encoder_kernels["attention"] = "sdpa"
         # Decoder prefill (causal, GQA): flash first. Prefill shapes vary with the prompts batched together, and
         # cuDNN builds an execution plan for every new shape, which a first call over mixed clips paid again and
         # again; flash needs none. (The encoder's shapes are a few fixed buckets, where cuDNN's speed pays.)
@@ -317,7 +322,7 @@ class FastGlmAsrModel:
         ek = self.encoder_kernels
         if any(ek[op] == "triton" for op in ("qkv", "o", "fc1", "fc2")):
             from glmasr_kernels import gemm_epilogue as ge
-        if ek["attention"] == "triton":
+        if ek["attention"] in ("triton", "triton-rope"):
             from glmasr_kernels.encoder_attention import encoder_attention
         for i, lw in enumerate(self.enc_layers):
             if ek["qkv"] == "triton":
@@ -325,9 +330,12 @@ class FastGlmAsrModel:
             else:
                 qkv = F.linear(h, lw.w_qkv, lw.b_qkv)
             qkv = qkv.view(w, t, 3, a.num_attention_heads, a.head_dim)
-            if ek["attention"] == "triton":
-                # RoPE on load, output (W, T, H, D): no rope_ launch, no transpose copy
-                attn = encoder_attention(qkv, self.enc_cos, self.enc_sin, sm_scale=a.head_dim ** -0.5).view(w, t, hidden)
+            if ek["attention"] in ("triton", "triton-rope"):
+                # output (W, T, H, D): no transpose copy; "triton-rope" rotates q and k on load (no rope_ launch,
+                # but every query block re-rotates the K tiles it reads: slower, measured), "triton" after rope_
+                attn = encoder_attention(qkv, self.enc_cos, self.enc_sin, positions=positions,
+                                         sm_scale=a.head_dim ** -0.5,
+                                         rope_in_kernel=ek["attention"] == "triton-rope").view(w, t, hidden)
             else:
                 q, k, v = qkv.unbind(2)
                 rope_(q, k, positions, self.enc_cos, self.enc_sin)

@@ -121,11 +121,15 @@ def _fused(e, x, w, b, r, out, cfg):
     return lambda: fn(x, w, b, out=out, config=cfg)
 
 
-def _check(y: torch.Tensor, ref: torch.Tensor) -> tuple[bool, dict]:
+def _check(y: torch.Tensor, ref: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[bool, dict]:
+    """Within bf16 rounding of the reference; for the residual epilogue the bound also scales with |residual|
+    (s = round(r + round(m)) can cancel far below m's own rounding error: on the H200 8 of 61 M elements of the
+    32-window o shape failed the plain bound while 99.98 % were bit-identical)."""
     yf, rf = y.float(), ref.float()
     finite = bool(torch.isfinite(yf).all())
     err = (yf - rf).abs()
-    bad = int((err > 1e-2 + 2e-2 * rf.abs()).sum()) if finite else y.numel()
+    scale = rf.abs() if residual is None else rf.abs() + residual.float().abs()
+    bad = int((err > 1e-2 + 2e-2 * scale).sum()) if finite else y.numel()
     same = float((y == ref).float().mean())
     info = dict(finite=finite, max_abs_err=float(err.max()) if finite else float("nan"), n_out_of_tol=bad,
                 frac_bit_identical=same)
@@ -192,7 +196,7 @@ def run(args, windows: list[int]) -> int:
             try:
                 base = _baseline(e, x, w, b, r, out)
                 y = base()
-                row["cublas_check"] = _check(y, ref)[1]
+                row["cublas_check"] = _check(y, ref, r if e == EPI_RESIDUAL else None)[1]
                 row["cublas_us"] = _time(base, est)
             except Exception as ex:  # noqa: BLE001
                 row["cublas_us"] = float("nan")
@@ -208,7 +212,7 @@ def run(args, windows: list[int]) -> int:
                     out.fill_(float("nan"))
                     fn = _fused(e, x, w, b, r, out, c)
                     fn()
-                    ok, info = _check(out, ref)
+                    ok, info = _check(out, ref, r if e == EPI_RESIDUAL else None)
                     if not ok:
                         result["dropped"].append(dict(shape=nm, W=w_count, cfg=c.short(), why="wrong", **info))
                         log(f"     drop {c.short()}: wrong {info}")
