@@ -195,9 +195,11 @@ class FastGlmAsrModel:
         if decode_gemm not in ("cublas", "skinny"):
             raise ValueError(f"decode_gemm must be 'cublas' or 'skinny', got {decode_gemm!r}")
         self.decode_gemm = decode_gemm
-        # Decode steps (one token per row, <= 16 rows) as the fused chain (``_decode_step_fused``); False runs the
-        # unfused kernel chain of ``decode`` (separate RMSNorm, RoPE + append launches), for A/B measurements.
-        self.fused_decode = True
+        # Decode steps (one token per row, <= 16 rows) as the fused chain (``_decode_step_fused``) when True; off:
+        # measured on the H200 (benchmark.sh breakdown, 2026-12-01) 1.265 ms against the unfused chain's 1.268 at
+        # batch 1 (the launches it saves are paid back by the row statistics each GEMV program computes after its
+        # PDL wait) and 2.254 against 1.639 ms at batch 8 (16 padded rows of statistics per tensor-core program).
+        self.fused_decode = False
         self.reference = reference
         self.cfg = cfg = reference.cfg
         # Parts whose config a kernel cannot serve run on the reference modules: the instance attributes below
@@ -246,10 +248,11 @@ class FastGlmAsrModel:
             # 1500-frame attention takes minutes in Triton's CPU interpreter: CPU tests keep torch SDPA here (the
             # kernel's own tests and test_fast_path's switch test run it at short lengths)
             self.encoder_kernels["attention"] = "sdpa"
-        # Decoder prefill (causal, GQA): flash first. Prefill shapes vary with the prompts batched together, and
-        # cuDNN builds an execution plan for every new shape, which a first call over mixed clips paid again and
-        # again; flash needs none. (The encoder's shapes are a few fixed buckets, where cuDNN's speed pays.)
-        self.prefill_sdpa = ("flash", "efficient", "cudnn", "math")
+        # Decoder prefill (causal, GQA): cuDNN first. Flash first (no execution plan per new shape, which a first
+        # call over mixed clips pays for with cuDNN) was measured on the H200 (2026-12-01, notes/measurements.md):
+        # mixed first call RTFx 1141 (cuDNN: 677), but warm 1920 (2058) and 256 x 30 s at 128 slots 1745 (3232,
+        # prefill GPU time 1381 ms against 550), so cuDNN stays first.
+        self.prefill_sdpa = ("cudnn", "flash", "efficient", "math")
 
     @property
     def device(self) -> torch.device:
