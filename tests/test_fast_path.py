@@ -107,8 +107,11 @@ def test_fused_decode_step_equals_unfused_chain(tiny_shipped, dtype):
                          ids=lambda ops: "+".join(ops))
 def test_encoder_triton_kernels_equal_cublas_sdpa_path(both_paths, ops):
     """Encoder ops switched to the Triton kernels (kernels/gemm_epilogue.py, kernels/encoder_attention.py) give
-    the audio embeddings of the cuBLAS / SDPA path, fp32 (the GEMMs and attention differ in summation order
-    only, and fc1 rounds acc + bias before the GELU: nothing in fp32): 1e-5 relative to the largest value."""
+    the layers' output of the cuBLAS / SDPA path, fp32 (the GEMMs and attention differ in summation order only,
+    and fc1 rounds acc + bias before the GELU: nothing in fp32): 5e-5 relative to the largest value. One
+    layer's fp32 attention differs by ~1e-6 relative (online softmax, exp2); through the tiny encoder's layers
+    over 1500 frames the H200 measured 1.25e-5 (qkv..attention all Triton), so 5e-5 leaves 4x margin while a
+    real fault (a wrong rotation, a dropped tile) is O(1)."""
     from glmasr.models.fast import ENCODER_KERNELS
 
     from glmasr_kernels.layernorm import layer_norm
@@ -132,7 +135,30 @@ def test_encoder_triton_kernels_equal_cublas_sdpa_path(both_paths, ops):
     finally:
         model.encoder_kernels = saved
     assert torch.isfinite(got).all()
-    assert ((got - base).abs().max() / base.abs().max()).item() < 1e-5
+    assert ((got - base).abs().max() / base.abs().max()).item() < 5e-5
+
+
+def test_prefill_backend_order_by_shape(both_paths, monkeypatch):
+    """A prefill shape seen for the first time runs with flash first (no cuDNN plan to build), a repeated one
+    with cuDNN first (its plan cached), and the choice is recorded per (batch, length)."""
+    from glmasr.models import fast as fast_mod
+    from glmasr.models.kv_cache import KVCache
+
+    _, fast = both_paths
+    model = fast.model
+    c = model.cfg.text
+    orders = []
+    real = fast_mod._sdpa_backends
+    monkeypatch.setattr(fast_mod, "_sdpa_backends", lambda names: orders.append(names) or real(names))
+    model._prefill_shapes.discard((2, 9))
+    cache = KVCache(c, 2, 64, DEVICE, model.dtype)
+    x = torch.randn(2, 9, c.hidden_size, generator=torch.Generator().manual_seed(3)).to(DEVICE, model.dtype)
+    pos = torch.arange(9, device=DEVICE).expand(2, 9)
+    for _ in range(2):
+        model.decode(x, pos, cache, kv_len=9)
+    n = len(model.dec_layers)
+    assert orders[:n] == [model.prefill_sdpa_new_shape] * n and orders[n:2 * n] == [model.prefill_sdpa] * n
+    assert orders[0][0] == "flash" and orders[n][0] == "cudnn" and (2, 9) in model._prefill_shapes
 
 
 def test_backend_validation(tiny_shipped):
