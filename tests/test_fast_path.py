@@ -138,29 +138,6 @@ def test_encoder_triton_kernels_equal_cublas_sdpa_path(both_paths, ops):
     assert ((got - base).abs().max() / base.abs().max()).item() < 5e-5
 
 
-def test_prefill_backend_order_by_shape(both_paths, monkeypatch):
-    """A prefill shape seen for the first time runs with flash first (no cuDNN plan to build), a repeated one
-    with cuDNN first (its plan cached), and the choice is recorded per (batch, length)."""
-    from glmasr.models import fast as fast_mod
-    from glmasr.models.kv_cache import KVCache
-
-    _, fast = both_paths
-    model = fast.model
-    c = model.cfg.text
-    orders = []
-    real = fast_mod._sdpa_backends
-    monkeypatch.setattr(fast_mod, "_sdpa_backends", lambda names: orders.append(names) or real(names))
-    model._prefill_shapes.discard((2, 9))
-    cache = KVCache(c, 2, 64, DEVICE, model.dtype)
-    x = torch.randn(2, 9, c.hidden_size, generator=torch.Generator().manual_seed(3)).to(DEVICE, model.dtype)
-    pos = torch.arange(9, device=DEVICE).expand(2, 9)
-    for _ in range(2):
-        model.decode(x, pos, cache, kv_len=9)
-    n = len(model.dec_layers)
-    assert orders[:n] == [model.prefill_sdpa_new_shape] * n and orders[n:2 * n] == [model.prefill_sdpa] * n
-    assert orders[0][0] == "flash" and orders[n][0] == "cudnn" and (2, 9) in model._prefill_shapes
-
-
 def test_backend_validation(tiny_shipped):
     with pytest.raises(ValueError, match="unknown backend"):
         glmasr.load(tiny_shipped, device="cpu", backend="cuda-graphs")

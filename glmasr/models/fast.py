@@ -248,15 +248,12 @@ class FastGlmAsrModel:
             # 1500-frame attention takes minutes in Triton's CPU interpreter: CPU tests keep torch SDPA here (the
             # kernel's own tests and test_fast_path's switch test run it at short lengths)
             self.encoder_kernels["attention"] = "sdpa"
-        # Decoder prefill (causal, GQA): cuDNN first for a (batch, length) shape seen before, flash first for a
-        # new one. cuDNN builds an execution plan per new shape (then cached), which mixed clips, batched in ever
-        # new groups, paid on nearly every prefill; flash needs none but is slower where shapes repeat. Measured
-        # on the H200 (2026-12-01, notes/measurements.md), each backend alone: 256 x 30 s at 128 slots RTFx 3200
-        # with cuDNN first, 1745 with flash first; 300 mixed clips first call / warm 836 / 1651 with cuDNN,
-        # 1141 / 1920 with flash.
+        # Decoder prefill (causal, GQA): cuDNN first. Measured on the H200 (2026-12-01, notes/measurements.md):
+        # flash first gave 256 x 30 s at 128 slots RTFx 1745 against cuDNN's 3200, and choosing flash for a shape's
+        # first occurrence only (cuDNN builds a plan per new shape) did not lift the mixed workload (first call /
+        # warm 690 / 1722 against 836 / 1651) while it made a repeated prefill change numerics between its first
+        # and second run; so one order for every shape.
         self.prefill_sdpa = ("cudnn", "flash", "efficient", "math")
-        self.prefill_sdpa_new_shape = ("flash", "efficient", "cudnn", "math")
-        self._prefill_shapes: set[tuple[int, int]] = set()
 
     @property
     def device(self) -> torch.device:
@@ -387,7 +384,6 @@ class FastGlmAsrModel:
         h = rms_norm(embeds, self.dec_layers[0].ln1, eps)
         lengths = positions[:, 0] + 1 if not prefill else None
         linear, linear_swiglu = self._decode_linears(prefill)
-        seen = (b, t) in self._prefill_shapes
         for i, lw in enumerate(self.dec_layers):
             qkv = linear(h, lw.w_qkv)
             q = qkv[..., : nq * d].view(b, t, nq, d)
@@ -395,7 +391,7 @@ class FastGlmAsrModel:
             v = qkv[..., (nq + nk) * d:].view(b, t, nk, d)
             rope_and_append(q, k, v, positions, self.dec_cos, self.dec_sin, cache.k[i], cache.v[i], cache_rows=rows)
             if prefill:
-                with _sdpa_backends(self.prefill_sdpa if seen else self.prefill_sdpa_new_shape):
+                with _sdpa_backends(self.prefill_sdpa):
                     attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                           is_causal=True, scale=d ** -0.5, enable_gqa=nq != nk)
                 attn = attn.transpose(1, 2).reshape(b, t, nq * d)
@@ -406,8 +402,6 @@ class FastGlmAsrModel:
             mlp = linear(linear_swiglu(h, lw.w_gate_up), lw.w_down)
             nxt = self.dec_layers[i + 1].ln1 if i + 1 < len(self.dec_layers) else self.final_norm
             h, residual = rms_norm(mlp, nxt, eps, residual=residual)
-        if prefill:
-            self._prefill_shapes.add((b, t))
         return h
 
     def _fused_step_fits(self, batch: int) -> bool:
