@@ -368,12 +368,8 @@ def aot_compile(m: int, n_w: int, k: int, cfg: SkinnyConfig, swiglu: bool, arch:
     """Compile one launch of _skinny_kernel for sm_<arch> without a GPU (Triton's bundled ptxas) and read the
     resource usage and SASS: registers, stack (spills), shared memory, 128-bit loads, cp.async, MMA, local mem."""
     import re
-    import subprocess
-    import tempfile
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from aot import compile_for, usage
 
     from glmasr_kernels._triton_utils import cdiv, next_pow2
     fn = sg._skinny_kernel
@@ -386,29 +382,21 @@ def aot_compile(m: int, n_w: int, k: int, cfg: SkinnyConfig, swiglu: bool, arch:
     iters = cdiv(kt, cfg.split_k)
     split = cdiv(kt, iters)
     names = [p.name for p in fn.params]
-    types = dict(X="*bf16", W="*bf16", Y="*bf16", WS="*fp32" if split > 1 else "*bf16", M="i32", N="i32",
-                 K="i32", sx="i32", sw="i32", sy="i32", HALF="i32")
+    types = dict(X="*bf16", W="*bf16", Y="*bf16", WS="*fp32" if split > 1 else "*bf16", G="*bf16", R="*bf16",
+                 M="i32", N="i32", K="i32", sx="i32", sw="i32", sy="i32", sr="i32", HALF="i32", eps="fp32")
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, ITERS=iters, EVEN_N=n % bn == 0,
                  EVEN_K=k % bk == 0 and kt % iters == 0, USE_DOT=cfg.use_dot, SWIGLU=swiglu, UPCAST=False,
                  NUM_STAGES=cfg.num_stages, STATIC=False, DOT_PREC="tf32", PDL=True,
-                 PRELOAD=min(1 if cfg.use_dot else sg.PRELOAD_TILES, iters))
+                 PRELOAD=min(1 if cfg.use_dot else sg.PRELOAD_TILES, iters), NORM=False, K_P2=next_pow2(k),
+                 RESID=False, L2_BYTES=0)
     if m == 1:
         const["M"] = 1
     sig = {nm: ("constexpr" if nm in const else types[nm]) for nm in names}
-    div = ["X", "W", "Y", "WS"] + [nm for nm, v in dict(K=k, sx=k, sw=k, sy=n, N=n).items() if v % 16 == 0]
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in const.items()},
-                    attrs={(names.index(d),): [["tt.divisibility", 16]] for d in div if d not in const})
-    ck = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=True))
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(ck.asm["cubin"])
-    res = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", f.name], capture_output=True,
-                         text=True).stdout
-    sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", f.name], capture_output=True,
-                          text=True).stdout
-    os.unlink(f.name)
-    return dict(regs=int(re.search(r"REG:(\d+)", res).group(1)), stack=int(re.search(r"STACK:(\d+)", res).group(1)),
+    div = ["X", "W", "Y", "WS", "G", "R"] + [nm for nm, v in dict(K=k, sx=k, sw=k, sy=n, sr=n, N=n).items()
+                                             if v % 16 == 0]
+    ck, res, sass = compile_for(fn, sig, const, div, arch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                launch_pdl=True)
+    return dict(**usage(res),
                 smem=ck.metadata.shared, ldg=len(re.findall(r"\bLDG", sass)),
                 ldg128=len(re.findall(r"\bLDG[.A-Z]*\.128", sass)), ldgsts=len(re.findall(r"LDGSTS", sass)),
                 mma=len(re.findall(r"HMMA|HGMMA", sass)), local=len(re.findall(r"\b(?:LDL|STL)\b", sass)),

@@ -271,12 +271,8 @@ def aot_compile(n: int, k: int, epi: int, cfg: GemmConfig, arch: int = 90) -> di
     """Compile one _gemm_kernel specialisation (bf16) for sm_<arch> without a GPU (Triton's bundled ptxas) and
     read registers, stack (spills), shared memory and SASS counts (wgmma, TMA loads, cp.async, local memory)."""
     import re
-    import subprocess
-    import tempfile
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from aot import compile_for, usage
 
     from glmasr_kernels._triton_utils import cdiv
 
@@ -297,21 +293,9 @@ def aot_compile(n: int, k: int, epi: int, cfg: GemmConfig, arch: int = 90) -> di
     sig = {nm: ("constexpr" if nm in const else types[nm]) for nm in names}
     div = ["X", "W", "B", "R", "Y"] + [nm for nm, v in dict(N=n, K=k, sxm=k, swn=k, srm=n, sym=n).items()
                                        if v % 16 == 0 and nm not in const]
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in const.items()},
-                    attrs={(names.index(d),): [["tt.divisibility", 16]] for d in div if d not in const})
     t = time.time()
-    ck = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(ck.asm["cubin"])
-    res = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", f.name], capture_output=True,
-                         text=True).stdout
-    sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", f.name], capture_output=True,
-                          text=True).stdout
-    os.unlink(f.name)
-    return dict(regs=int(re.search(r"REG:(\d+)", res).group(1)),
-                stack=int(re.search(r"STACK:(\d+)", res).group(1)), smem=ck.metadata.shared,
+    ck, res, sass = compile_for(fn, sig, const, div, arch, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dict(**usage(res), smem=ck.metadata.shared,
                 wgmma=len(re.findall(r"HGMMA", sass)), hmma=len(re.findall(r"\bHMMA", sass)),
                 tma=len(re.findall(r"UTMALDG", sass)), ldgsts=len(re.findall(r"LDGSTS", sass)),
                 local=len(re.findall(r"\b(?:LDL|STL)\b", sass)), compile_s=round(time.time() - t, 1))
