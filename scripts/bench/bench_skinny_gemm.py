@@ -400,7 +400,18 @@ def aot_compile(m: int, n_w: int, k: int, cfg: SkinnyConfig, swiglu: bool, arch:
                 smem=ck.metadata.shared, ldg=len(re.findall(r"\bLDG", sass)),
                 ldg128=len(re.findall(r"\bLDG[.A-Z]*\.128", sass)), ldgsts=len(re.findall(r"LDGSTS", sass)),
                 mma=len(re.findall(r"HMMA|HGMMA", sass)), local=len(re.findall(r"\b(?:LDL|STL)\b", sass)),
-                griddep=len(re.findall(r"ACQBULK|griddepcontrol|PREEXIT", sass)))
+                griddep=len(re.findall(r"ACQBULK|griddepcontrol|PREEXIT", sass)),
+                # weight loads issued before the PDL wait (ACQBULK): the first W tile must be among them
+                ldg_before_wait=_loads_before_wait(sass))
+
+
+def _loads_before_wait(sass: str) -> int:
+    """LDG instructions ahead of the first griddepcontrol wait (SASS ACQBULK) in the kernel's SASS."""
+    import re
+
+    lines = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", ln)]
+    wait = next((i for i, ln in enumerate(lines) if "ACQBULK" in ln), None)
+    return -1 if wait is None else sum(1 for ln in lines[:wait] if re.search(r"\bLDG", ln))
 
 
 def aot_check(all_candidates: bool) -> int:
