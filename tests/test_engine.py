@@ -66,6 +66,20 @@ def test_engine_equals_reference_loop_with_refills(tiny_asr, max_batch, sync_eve
     close_logprobs(got, ref)
 
 
+def test_runner_counts_its_prefills(tiny_asr):
+    """The runner's counters (what benchmarks report for a first call): every request is admitted through one
+    counted prefill kind; on the CPU there are no graphs, so no capture is counted."""
+    reqs = requests_for(tiny_asr)
+    engine = Engine(tiny_asr.model, max_batch=3, sync_every=4)
+    engine.generate(reqs)
+    stats = engine.runner.stats
+    assert 1 <= stats["prefills_padded"] + stats["prefills_graphed"] <= len(reqs)
+    assert stats["decode_captures"] == 0 and stats["prefill_captures"] == 0
+    stats.clear()
+    engine.generate(reqs[:1])
+    assert stats["prefills_padded"] + stats["prefills_graphed"] == 1
+
+
 @pytest.fixture(scope="module")
 def eos_asr(tiny_shipped, tmp_path_factory):
     """The tiny checkpoint with eos ids that the random model really produces (so sequences stop early)."""
