@@ -47,10 +47,10 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 list -> tensor on ``device``; on CUDA through pinned memory, so the copy does not sync the host
-    (``torch.tensor(values, device="cuda")`` waits for the GPU to drain)."""
-    t = torch.tensor(values, dtype=torch.int64)
+def host_to_device(values: "list[int] | torch.Tensor", device: torch.device) -> torch.Tensor:
+    """int list (-> int64) or CPU tensor (its dtype kept) -> tensor on ``device``; on CUDA through pinned memory,
+    so the copy does not sync the host (``torch.tensor(values, device="cuda")`` waits for the GPU to drain)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)

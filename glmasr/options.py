@@ -9,6 +9,7 @@ Environment variables (each overrides the default; an explicit argument override
 | GLMASR_ENCODER_CHUNK | encoder_chunk | 30 s windows per encoder call (default 32 on CUDA, 4 on the CPU) |
 | GLMASR_PREFILL_GRAPHS | prefill_graphs | 0: eager single-request prefill instead of CUDA graphs |
 | GLMASR_ENCODER_GRAPHS | encoder_graphs | 0: eager encoder instead of CUDA graphs |
+| GLMASR_PREFILL | prefill | "packed" (the prompts admitted together in one unpadded pass) or "padded" (per length group) |
 | GLMASR_DECODE_GEMM | decode_gemm | "skinny" (GEMV kernels for the decode step) or "cublas" |
 | GLMASR_PDL | pdl | 0: no programmatic dependent launch in the decode step |
 | GLMASR_WEIGHTS_READER | weights_reader | "auto", "chunked" or "safe_open" (``weights.load_state_dict``) |
@@ -34,11 +35,12 @@ DEFAULT_ENCODER_CHUNK = {"cuda": 32, "cpu": 4}
 # Prompt positions prefilled in one forward pass (bounds the prefill's activation memory).
 DEFAULT_MAX_PREFILL_TOKENS = {"cuda": 65536, "cpu": 8192}
 DECODE_GEMMS = ("skinny", "cublas")
+PREFILLS = ("packed", "padded")
 SEGMENTATIONS = ("windows", "vad")
 
 _ENV = {"max_batch": ("GLMASR_MAX_BATCH", int), "encoder_chunk": ("GLMASR_ENCODER_CHUNK", int),
         "prefill_graphs": ("GLMASR_PREFILL_GRAPHS", "flag"), "encoder_graphs": ("GLMASR_ENCODER_GRAPHS", "flag"),
-        "decode_gemm": ("GLMASR_DECODE_GEMM", str), "pdl": ("GLMASR_PDL", "flag"),
+        "decode_gemm": ("GLMASR_DECODE_GEMM", str), "pdl": ("GLMASR_PDL", "flag"), "prefill": ("GLMASR_PREFILL", str),
         "weights_reader": ("GLMASR_WEIGHTS_READER", str)}
 WEIGHTS_READERS = ("auto", "chunked", "safe_open")
 
@@ -62,6 +64,9 @@ class EngineOptions:
     prefill_graphs: bool = True
     encoder_graphs: bool = True
     decode_gemm: str = "skinny"
+    # prompts admitted together: "packed" into one unpadded pass (the model's ``prefill``), or "padded" right-padded
+    # per length group (the earlier path, kept for comparison)
+    prefill: str = "packed"
     pdl: bool = True
     weights_reader: str = "auto"
 
@@ -73,6 +78,8 @@ class EngineOptions:
             raise ValueError(f"weights_reader must be one of {WEIGHTS_READERS}, got {self.weights_reader!r}")
         if self.decode_gemm not in DECODE_GEMMS:
             raise ValueError(f"decode_gemm must be one of {DECODE_GEMMS}, got {self.decode_gemm!r}")
+        if self.prefill not in PREFILLS:
+            raise ValueError(f"prefill must be one of {PREFILLS}, got {self.prefill!r}")
         for name in ("cuda_graphs", "prefill_graphs", "encoder_graphs", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -31,7 +31,7 @@ def kv_append_ref(k, v, positions, k_cache, v_cache, cache_rows=None):
         positions = positions[:, None]
     B, T = positions.shape
     rows = torch.arange(B, device=k.device) if cache_rows is None else cache_rows.long()
-    rows = rows[:, None].expand(B, T)
+    rows = rows[:, None].expand(B, T) if rows.dim() == 1 else rows  # per sequence (B,) or per token (B, T)
     pos = positions.long()
     valid = pos >= 0
     r, p = rows[valid], pos[valid]

@@ -79,7 +79,7 @@ def rope_and_append_ref(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cac
 
 @triton.jit
 def _rot_tokens(X, tok0, NTOK, H, T, sb, st, sh, P, spb, spt, COS, SIN, CS,
-                KC, VC, V, svb, svt, svh, ROWS, skc_b, skc_h, skc_n, svc_b, svc_h, svc_n,
+                KC, VC, V, svb, svt, svh, ROWS, srb, srt, skc_b, skc_h, skc_n, svc_b, svc_h, svc_n,
                 H_P2: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, PASS: tl.constexpr,
                 PASS_P2: tl.constexpr, BLOCK_T: tl.constexpr, APPEND: tl.constexpr, WRITE_X: tl.constexpr,
                 HAS_ROWS: tl.constexpr):
@@ -114,7 +114,7 @@ def _rot_tokens(X, tok0, NTOK, H, T, sb, st, sh, P, spb, spt, COS, SIN, CS,
         tl.store(ptr1 + HALF, o2, mask=m3)
     if APPEND:
         if HAS_ROWS:
-            crow = tl.load(ROWS + b, mask=tmask, other=0).to(tl.int64)
+            crow = tl.load(ROWS + b * srb + t * srt, mask=tmask, other=0).to(tl.int64)
         else:
             crow = b
         hk = (h.to(tl.int64) * skc_h)[None, :, None]
@@ -139,7 +139,7 @@ def _rot_tokens(X, tok0, NTOK, H, T, sb, st, sh, P, spb, spt, COS, SIN, CS,
 @triton.jit
 def _rope_kernel(Q, K, P, COS, SIN, CS, T, HQ, HK, NTOK, NQB,
                  sqb, sqt, sqh, skb, skt, skh, spb, spt,
-                 KC, VC, V, svb, svt, svh, ROWS, skc_b, skc_h, skc_n, svc_b, svc_h, svc_n,
+                 KC, VC, V, svb, svt, svh, ROWS, srb, srt, skc_b, skc_h, skc_n, svc_b, svc_h, svc_n,
                  HQ_P2: tl.constexpr, HK_P2: tl.constexpr,
                  HALF: tl.constexpr, HALF_P2: tl.constexpr, PASS: tl.constexpr, PASS_P2: tl.constexpr,
                  BLOCK_TQ: tl.constexpr, BLOCK_TK: tl.constexpr, APPEND: tl.constexpr, WRITE_K: tl.constexpr,
@@ -150,11 +150,11 @@ def _rope_kernel(Q, K, P, COS, SIN, CS, T, HQ, HK, NTOK, NQB,
     pid = tl.program_id(0)
     if pid < NQB:
         _rot_tokens(Q, pid * BLOCK_TQ, NTOK, HQ, T, sqb, sqt, sqh, P, spb, spt, COS, SIN, CS,
-                    KC, VC, V, svb, svt, svh, ROWS, skc_b, skc_h, skc_n, svc_b, svc_h, svc_n,
+                    KC, VC, V, svb, svt, svh, ROWS, srb, srt, skc_b, skc_h, skc_n, svc_b, svc_h, svc_n,
                     HQ_P2, HALF, HALF_P2, PASS, PASS_P2, BLOCK_TQ, False, True, HAS_ROWS)
     else:
         _rot_tokens(K, (pid - NQB) * BLOCK_TK, NTOK, HK, T, skb, skt, skh, P, spb, spt, COS, SIN, CS,
-                    KC, VC, V, svb, svt, svh, ROWS, skc_b, skc_h, skc_n, svc_b, svc_h, svc_n,
+                    KC, VC, V, svb, svt, svh, ROWS, srb, srt, skc_b, skc_h, skc_n, svc_b, svc_h, svc_n,
                     HK_P2, HALF, HALF_P2, PASS, PASS_P2, BLOCK_TK, APPEND, WRITE_K, HAS_ROWS)
 
 
@@ -203,11 +203,14 @@ def _launch(q, k, positions, cos_cache, sin_cache, v=None, k_cache=None, v_cache
         dummy_rows = cache_rows if cache_rows is not None else positions
     else:
         v, k_cache, v_cache, vs, kcs, vcs, dummy_rows = q, q, q, (0, 0, 0, 1), (0, 0, 0, 1), (0, 0, 0, 1), positions
+    # cache row per sequence (B,) or per token (B, T) (a packed prefill: many sequences in one row of tokens)
+    row_strides = (dummy_rows.stride(0), dummy_rows.stride(1) if dummy_rows.dim() == 2 else 0)
     _rope_kernel[(nqb + nkb,)](
         q, k, positions, cos_cache, sin_cache, cos_cache.stride(0), T, HQ, HK, ntok, nqb,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         positions.stride(0), positions.stride(1),
-        k_cache, v_cache, v, vs[0], vs[1], vs[2], dummy_rows, kcs[0], kcs[1], kcs[2], vcs[0], vcs[1], vcs[2],
+        k_cache, v_cache, v, vs[0], vs[1], vs[2], dummy_rows, *row_strides,
+        kcs[0], kcs[1], kcs[2], vcs[0], vcs[1], vcs[2],
         HQ_P2=hq_p2, HK_P2=hk_p2, HALF=half, HALF_P2=half_p2, PASS=D - 2 * half,
         PASS_P2=next_pow2(max(1, D - 2 * half)), BLOCK_TQ=btq, BLOCK_TK=btk, APPEND=append, WRITE_K=write_k,
         HAS_ROWS=cache_rows is not None, num_warps=num_warps or 4, **pdl_launch(q.device),
@@ -224,10 +227,14 @@ def rope_(q, k, positions, cos_cache, sin_cache, tile_elems=None, num_warps=None
 
 def rope_and_append(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, cache_rows=None, write_k=True):
     """Rotate q (and k, unless ``write_k=False``) in place and store rotated k and v at slot ``positions[b, t]``
-    of row ``cache_rows[b]`` (default b) of k_cache/v_cache (max_batch, Hk, max_len, D). One launch.
+    of row ``cache_rows[b]`` (default b; or ``cache_rows[b, t]`` when it is (B, T): a packed prefill, several
+    sequences in one row of tokens) of k_cache/v_cache (max_batch, Hk, max_len, D). One launch.
     v: (B, T, Hk, D), any strides for B, T, H, unit stride in D. Returns (q, k)."""
     if v.shape != k.shape or v.stride(-1) != 1:
         raise ValueError("v must have k's shape and unit stride in the last dim")
+    if cache_rows is not None and tuple(cache_rows.shape) not in ((k.shape[0],), tuple(k.shape[:2])):
+        raise ValueError(f"cache_rows must be (B,) = ({k.shape[0]},) or (B, T) = {tuple(k.shape[:2])}, "
+                         f"got {tuple(cache_rows.shape)}")
     for c in (k_cache, v_cache):
         if c.dim() != 4 or c.shape[1] != k.shape[2] or c.shape[3] != k.shape[3] or c.stride(-1) != 1:
             raise ValueError("caches must be (max_batch, Hk, max_len, D) with unit stride in D")

@@ -73,11 +73,24 @@ def test_runner_counts_its_prefills(tiny_asr):
     engine = Engine(tiny_asr.model, max_batch=3, sync_every=4)
     engine.generate(reqs)
     stats = engine.runner.stats
-    assert 1 <= stats["prefills_padded"] + stats["prefills_graphed"] <= len(reqs)
+    kinds = ("prefills_packed", "prefills_padded", "prefills_graphed")
+    assert 1 <= sum(stats[k] for k in kinds) <= len(reqs) and stats["prefills_packed"] >= 1
     assert stats["decode_captures"] == 0 and stats["prefill_captures"] == 0
     stats.clear()
     engine.generate(reqs[:1])
-    assert stats["prefills_padded"] + stats["prefills_graphed"] == 1
+    assert sum(stats[k] for k in kinds) == 1
+
+
+def test_padded_prefill_alternative_equals_reference_loop(tiny_asr):
+    """The right-padded length-group prefill (``prefill="padded"``, kept for comparison) still gives the
+    reference loop's tokens."""
+    reqs = requests_for(tiny_asr)
+    ref = greedy_generate(tiny_asr.model, reqs, tiny_asr.config.text.eos_token_ids)
+    engine = poisoned_engine(tiny_asr.model, max_batch=4, sync_every=4, prefill="padded")
+    got = engine.generate(reqs)
+    assert engine.runner.stats["prefills_padded"] >= 1 and engine.runner.stats["prefills_packed"] == 0
+    assert same(got, ref)
+    close_logprobs(got, ref)
 
 
 @pytest.fixture(scope="module")
@@ -290,3 +303,13 @@ def test_compile_ahead_covers_the_warmup(tiny_shipped, tmp_path):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["active"] and out["restored"], out
     assert out["compiled_after"] == [], out
+
+
+def test_prefill_option_is_checked():
+    from glmasr.options import EngineOptions
+
+    with pytest.raises(ValueError, match=r"prefill must be one of \('packed', 'padded'\), got 'pad'"):
+        EngineOptions(prefill="pad")
+    with pytest.raises(ValueError, match="prefill must be one of"):
+        EngineOptions.from_env({"GLMASR_PREFILL": "flash"})
+    assert EngineOptions.from_env({"GLMASR_PREFILL": "padded"}).prefill == "padded"

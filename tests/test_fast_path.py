@@ -102,6 +102,46 @@ def test_fused_decode_step_equals_unfused_chain(tiny_shipped, dtype):
     assert torch.isfinite(ca.k[0][[0, 2], :, 12:15]).all()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_prefill_equals_reference_per_prompt(tiny_shipped, dtype):
+    """The fast path's packed prefill (all prompts in one pass, per-token positions and cache rows, varlen
+    attention: flash on the GPU in bf16, per-prompt SDPA in fp32 and under the interpreter) against the
+    reference's one decode per prompt, same weights, prompts of 1..37 tokens into scattered cache rows of a
+    NaN-poisoned cache. Last-token hidden states: fp32 within 1e-5 of the largest (summation order only); bf16
+    within 3e-2 (different GEMM shapes and attention kernels round differently through the layers; the engine
+    tests check the tokens). Cache: each prompt's slots [0, L) written and finite, every other slot untouched."""
+    from glmasr.models.fast import FastGlmAsrModel
+    from glmasr.models.kv_cache import KVCache
+
+    if dtype == "bfloat16" and not torch.cuda.is_available():
+        pytest.skip("bf16 comparison runs on the GPU (the interpreter's bf16 is fp32 truncated)")
+    ref = glmasr.load(tiny_shipped, device=DEVICE, dtype=dtype, backend="torch")
+    fast = FastGlmAsrModel(ref.model)
+    assert fast.packed_attention == ("flash-varlen" if dtype == "bfloat16" else "sdpa")
+    c, dt = fast.cfg.text, getattr(torch, dtype)
+    g = torch.Generator().manual_seed(31)
+    lengths, rows = [37, 1, 12, 5, 20], [4, 0, 6, 2, 5]
+    embeds = [torch.randn(n, c.hidden_size, generator=g).to(DEVICE, dt) for n in lengths]
+    caches = []
+    for model in (fast, ref.model):
+        cache = KVCache(c, 8, 48, DEVICE, dt)
+        cache.k.fill_(float("nan"))
+        cache.v.fill_(float("nan"))
+        caches.append((model.prefill(embeds, cache, rows), cache))
+    (a, ca), (b, cb) = caches
+    assert a.shape == (len(lengths), c.hidden_size) and torch.isfinite(a).all()
+    bound = 1e-5 if dtype == "float32" else 3e-2
+    assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < bound
+    for layer in range(c.num_hidden_layers):
+        for got, want in ((ca.k[layer], cb.k[layer]), (ca.v[layer], cb.v[layer])):
+            assert torch.equal(got.isnan(), want.isnan())
+            for row, n in zip(rows, lengths):
+                assert torch.isfinite(got[row, :, :n]).all() and got[row, :, n:].isnan().all()
+            assert got[[1, 3, 7]].isnan().all()
+            diff = (got.nan_to_num(0) - want.nan_to_num(0)).abs().max() / want.nan_to_num(0).abs().max()
+            assert diff.item() < bound
+
+
 @pytest.mark.parametrize("ops", [("qkv", "o", "fc1", "fc2", "attention"), ("attention",), ("fc1", "fc2"),
                                  ("triton-rope",)],
                          ids=lambda ops: "+".join(ops))
@@ -179,7 +219,7 @@ def test_cuda_engine_uses_fused_frontend_and_agrees(tiny_shipped):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device)")
 def test_encoder_graphs_equal_eager(tiny_shipped):
-    """Encoder replayed from CUDA graphs (window counts split into power-of-two buckets, 5 = 4 + 1) equals the
+    """Encoder replayed from CUDA graphs (1 and 2 windows; 5 windows run eagerly, no graph) equals the
     eager encoder. fp32 with cuDNN's TF32 convolutions off; a bucket of another size may make cuBLAS/SDPA pick
     other kernels (another summation order), so the bound is fp32 rounding through the stack: 1e-5 of the
     output's largest magnitude (the first device run measured 2.4e-5 absolute with TF32 convolutions on)."""
@@ -190,7 +230,7 @@ def test_encoder_graphs_equal_eager(tiny_shipped):
     saved = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
     try:
-        for w in (1, 3, 5):
+        for w in (1, 2, 5):
             feats = torch.randn(w, 128, 3000, device="cuda")
             out = fast.encode_audio(feats)
             expect = fast._encode_eager(feats)
@@ -199,7 +239,7 @@ def test_encoder_graphs_equal_eager(tiny_shipped):
             assert err < 1e-5, f"{w} windows: {err:.2e}"
     finally:
         torch.backends.cudnn.allow_tf32 = saved
-    assert sorted(fast._enc_graphs) == [1, 2, 4]
+    assert sorted(fast._enc_graphs) == [1, 2]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device)")

@@ -236,6 +236,34 @@ def test_rope_and_append(case, dtype):
     assert torch.equal(vc.nan_to_num(0.0), vc_ref.nan_to_num(0.0))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_and_append_packed_rows(dtype):
+    """A packed prefill's call: one row of tokens holding three prompts (lengths 5, 2, 4), each token with its
+    own position (0.. within its prompt) and cache row ((B, T) cache_rows, int32 like the model passes them)."""
+    HQ, HK, D, L = 4, 2, 32, 8
+    lengths, prompt_rows = [5, 2, 4], [2, 0, 3]
+    T = sum(lengths)
+    _, q, k, v = _qkv_views(1, T, HQ, HK, D, dtype, seed=77)
+    pos = torch.cat([torch.arange(n) for n in lengths]).to(DEV, torch.int32)[None]
+    rows = torch.repeat_interleave(torch.tensor(prompt_rows), torch.tensor(lengths)).to(DEV, torch.int32)[None]
+    cos, sin = build_rope_cache(D, 64, 10000.0, DEV)
+    kc = torch.full((4, HK, L, D), float("nan"), device=DEV, dtype=dtype)
+    vc = kc.clone()
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q_ref, k_ref = rope_and_append_ref(q.clone(), k.clone(), v, pos, cos, sin, kc_ref, vc_ref, rows)
+    rope_and_append(q, k, v, pos, cos, sin, kc, vc, rows)
+    close(q, q_ref, dtype)
+    close(k, k_ref, dtype)
+    # row 1 untouched, and each prompt's row written at exactly its slots 0..len-1
+    assert kc[1].isnan().all() and torch.equal(kc.isnan(), kc_ref.isnan())
+    for row, n in zip(prompt_rows, lengths):
+        assert not kc[row, :, :n].isnan().any() and kc[row, :, n:].isnan().all()
+    close(kc.nan_to_num(0.0), kc_ref.nan_to_num(0.0), dtype)
+    assert torch.equal(vc.nan_to_num(0.0), vc_ref.nan_to_num(0.0))
+    with pytest.raises(ValueError, match="cache_rows must be"):
+        rope_and_append(q, k, v, pos, cos, sin, kc, vc, rows[:, :3])
+
+
 # ------------------------------------------------------------------------------------ decode attention
 def _attn_inputs(B, HQ, HK, D, LBUF, dtype, seed, lengths):
     kc = randn(B + 1, HK, LBUF, D, dtype=dtype, seed=seed)

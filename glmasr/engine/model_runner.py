@@ -6,9 +6,10 @@ steps (CUDA graphs per batch and KV-length bucket), the sync-free read-back, war
   A decode step for the first ``b`` slots (embed, all decoder layers, lm head, greedy argmax and the chosen
   token's log-probability, eos/budget bookkeeping, append to the buffers) is one function, captured once per
   (batch bucket, KV-length bucket) and replayed; nothing in it syncs the host.
-- **Prefill** of newly admitted sequences: right-padded forward passes from slot 0 of each cache row, prompts
-  grouped by length so padding stays under a quarter of the work (a CUDA graph per prompt-length bucket for a
-  single sequence); the argmax and log-probability go through the same bookkeeping.
+- **Prefill** of newly admitted sequences from slot 0 of each cache row: one packed pass over all of them
+  (``model.prefill``: the prompts' tokens concatenated, no padding), or for a single sequence a CUDA graph per
+  prompt-length bucket; the argmax and log-probability go through the same bookkeeping. (The older right-padded
+  passes per length group stay behind ``EngineOptions.prefill = "padded"`` for comparison.)
 - **Read-back**: after a round, the token buffer, the status, the stop token and the log-probabilities (float64,
   bit-cast to int64 so they travel in the same tensor) go to pinned host memory in one non-blocking copy with
   an event; ``finish_readback`` waits for that event only, so encoder work enqueued after the round keeps the
@@ -113,6 +114,10 @@ class ModelRunner:
         # decode rounds run eagerly (a bucket's first round), prefills by kind. Counts only; nothing syncs for it.
         self.stats: collections.Counter = collections.Counter()
         self.pool = cuda_graphs.GraphPool()
+        # Prefills of several prompts (or one without a graph): packed into one pass by the model (``prefill``: no
+        # padding; flash varlen attention on the GPU), or (options.prefill "padded") right-padded per length group
+        # (``length_groups``), kept as the measured alternative (benchmark.sh's throughput section).
+        self.packed_prefill = options.prefill == "packed"
         # The Triton decoder path fuses the step's argmax and bookkeeping into one kernel (~30 launches less).
         self.fused_commit = bool(getattr(model, "uses_triton", False))
 
@@ -199,6 +204,9 @@ class ModelRunner:
         bkt = bucket(longest, PREFILL_BUCKETS)
         if self.prefill_graphs and len(embeds) == 1 and longest <= bkt <= self.capacity:
             first, first_logprob = self._graphed_prefill(bkt, embeds[0], lengths[0], slots[0])
+        elif self.packed_prefill:
+            self.stats["prefills_packed"] += 1
+            first, first_logprob = greedy_pick(self.model.logits(self.model.prefill(embeds, self.cache, slots)))
         else:
             groups = length_groups(lengths)
             self.stats["prefills_padded"] += len(groups)

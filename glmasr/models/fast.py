@@ -14,7 +14,7 @@ Same interface as ``GlmAsrModel`` (``encode_audio``, ``embed_tokens``, ``decode`
   gate|up output and exact GELU with the GEMM's bias (``kernels.activations``). Decode-step GEMMs (one token
   per sequence, M <= 16) run on ``kernels.skinny_gemm`` (gate|up fused with SwiGLU), other GEMMs on cuBLAS
   (``F.linear``); encoder attention is torch SDPA with cuDNN's kernel first, prefill attention torch SDPA.
-- Encoder CUDA graphs per power-of-two window count (``encode_audio`` splits W into such chunks).
+- Encoder CUDA graphs for 1 and 2 windows (launch-bound); larger window counts run eagerly (GPU-bound).
 
 Contract of ``decode``: either a prefill from slot 0 (``positions`` = 0..T-1 for every row, ``kv_len == T``)
 or one token per sequence (T == 1) at per-sequence positions.
@@ -40,6 +40,7 @@ from glmasr_kernels.rmsnorm import rms_norm
 from glmasr_kernels.rope import build_rope_cache, rope_, rope_and_append
 
 from .. import cuda_graphs
+from ..device import host_to_device
 from .glmasr import GlmAsrModel
 from .kv_cache import KVCache
 
@@ -166,6 +167,16 @@ def _sdpa_backends(names: tuple[str, ...]):
     return sdpa_kernel([getattr(SDPBackend, _SDPA[n]) for n in names], set_priority=True)
 
 
+def _flash_varlen_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether torch's flash-attention varlen forward takes the packed prefill: CUDA sm_80+, fp16/bf16, a head
+    dim that is a multiple of 8 up to 256, and a torch built with it (not under the Triton interpreter)."""
+    if device.type != "cuda" or interpreting() or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if head_dim % 8 or head_dim > 256 or torch.cuda.get_device_capability(device)[0] < 8:
+        return False
+    return torch.backends.cuda.is_flash_attention_available()
+
+
 def _bucket_chunks(n: int, buckets: tuple[int, ...]) -> list[int]:
     """n as a sum of bucket sizes, largest first, no padding (buckets: powers of two from 1)."""
     top, chunks = buckets[-1], []
@@ -214,7 +225,7 @@ class FastGlmAsrModel:
             self.encode_audio = reference.encode_audio
             encoder_graphs = False
         if "decoder" in self.fallbacks:
-            self.decode, self.logits = reference.decode, reference.logits
+            self.decode, self.logits, self.prefill = reference.decode, reference.logits, reference.prefill
             self.uses_triton = False
         enc, dec = reference.audio_tower, reference.language_model
         self.enc_layers = [] if "encoder" in self.fallbacks else [_EncoderLayerWeights(layer) for layer in enc.layers]
@@ -230,8 +241,8 @@ class FastGlmAsrModel:
                                                       cfg.audio.rope_theta, device=dev)
         self.dec_cos, self.dec_sin = build_rope_cache(cfg.text.head_dim, cfg.text.max_position_embeddings,
                                                       cfg.text.rope_theta, device=dev)
-        # Encoder CUDA graphs per window-count bucket (a power of two <= 32): eager batch 1 is launch-bound
-        # (~400 launches from Python per pass).
+        # Encoder CUDA graphs per window-count bucket (ENCODER_BUCKETS): eager batch 1 is launch-bound (~400
+        # launches from Python per pass).
         self.encoder_graphs = encoder_graphs and dev.type == "cuda"
         self._enc_graphs: dict[int, tuple] = {}
         self._enc_pool = cuda_graphs.GraphPool()
@@ -254,6 +265,11 @@ class FastGlmAsrModel:
         # warm 690 / 1722 against 836 / 1651) while it made a repeated prefill change numerics between its first
         # and second run; so one order for every shape.
         self.prefill_sdpa = ("cudnn", "flash", "efficient", "math")
+        # Attention of the packed prefill (``prefill``): "flash-varlen" (one variable-length causal flash call over
+        # all prompts: no padding, no per-shape plan) where torch's flash kernel takes the call, else "sdpa" (per
+        # prompt, with ``prefill_sdpa``).
+        self.packed_attention = "flash-varlen" if _flash_varlen_supported(reference.device, reference.dtype,
+                                                                          cfg.text.head_dim) else "sdpa"
 
     @property
     def device(self) -> torch.device:
@@ -264,15 +280,19 @@ class FastGlmAsrModel:
         return self.reference.dtype
 
     # ---- audio ----
-    ENCODER_BUCKETS = (1, 2, 4, 8, 16, 32)
+    # Window counts replayed from CUDA graphs: the launch-bound ones. From 3 windows on, a pass is GPU-bound
+    # (~5 ms of GPU work per window against ~400 launches), so it runs eagerly: a graph would only add its capture
+    # (one more pass) and its own activation memory to the first call of each new count.
+    ENCODER_BUCKETS = (1, 2)
 
     def encode_audio(self, features: torch.Tensor) -> torch.Tensor:
         """Log-mel windows (W, n_mels, 3000) -> projected audio embeddings (W, 375, text_hidden).
 
-        With graphs, W is split into chunks whose sizes are buckets (32s, then the binary digits of the rest:
-        7 = 4 + 2 + 1), so no padded window is ever computed; each chunk replays its bucket's graph."""
+        With graphs and W <= the largest bucket, W is split into chunks whose sizes are buckets (the binary digits
+        of W), so no padded window is ever computed; each chunk replays its bucket's graph. Larger W: eager."""
         w = features.shape[0]
-        if not self.encoder_graphs or w == 0 or torch.cuda.is_current_stream_capturing():
+        if (not self.encoder_graphs or w == 0 or w > self.ENCODER_BUCKETS[-1]
+                or torch.cuda.is_current_stream_capturing()):
             return self._encode_eager(features)
         outs, start = [], 0
         for size in _bucket_chunks(w, self.ENCODER_BUCKETS):
@@ -403,6 +423,68 @@ class FastGlmAsrModel:
             nxt = self.dec_layers[i + 1].ln1 if i + 1 < len(self.dec_layers) else self.final_norm
             h, residual = rms_norm(mlp, nxt, eps, residual=residual)
         return h
+
+    def prefill(self, embeds: list[torch.Tensor], cache: KVCache, rows: list[int]) -> torch.Tensor:
+        """Prompts ``embeds[i]`` (L_i, hidden) into cache row ``rows[i]`` from slot 0, packed: their tokens in one
+        (1, sum L_i, hidden) pass, each token with its own position and cache row, so the GEMMs see no padding,
+        and attention is one variable-length causal call (``packed_attention``). Returns the final-normed hidden
+        state of each prompt's last token (len(embeds), hidden); the last layer's MLP runs on those rows only.
+        Same interface as ``GlmAsrModel.prefill``."""
+        c = self.cfg.text
+        nq, nk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        eps = c.rms_norm_eps
+        lengths = [int(e.shape[0]) for e in embeds]
+        if len(rows) != len(lengths) or min(lengths, default=0) < 1:
+            raise ValueError(f"prefill needs one cache row per prompt and non-empty prompts; got {len(rows)} rows "
+                             f"for prompt lengths {lengths}")
+        n = sum(lengths)
+        starts = [0]
+        for length in lengths:
+            starts.append(starts[-1] + length)
+        # per-token positions and cache rows, the prompts' boundaries (int32, as flash takes them): one copy
+        host = torch.cat([torch.cat([torch.arange(length, dtype=torch.int32) for length in lengths]),
+                          torch.repeat_interleave(torch.tensor(rows, dtype=torch.int32), torch.tensor(lengths)),
+                          torch.tensor(starts, dtype=torch.int32)])
+        dev_idx = host_to_device(host, self.device)
+        positions, tok_rows, cu = dev_idx[:n].view(1, n), dev_idx[n:2 * n].view(1, n), dev_idx[2 * n:]
+        last = (cu[1:] - 1).long()
+        x = torch.cat(embeds)[None] if len(embeds) > 1 else embeds[0][None]
+        residual = x
+        h = rms_norm(x, self.dec_layers[0].ln1, eps)
+        for i, lw in enumerate(self.dec_layers):
+            qkv = F.linear(h, lw.w_qkv)
+            q = qkv[..., : nq * d].view(1, n, nq, d)
+            k = qkv[..., nq * d:(nq + nk) * d].view(1, n, nk, d)
+            v = qkv[..., (nq + nk) * d:].view(1, n, nk, d)
+            rope_and_append(q, k, v, positions, self.dec_cos, self.dec_sin, cache.k[i], cache.v[i],
+                            cache_rows=tok_rows)
+            attn = self._packed_attention(q[0], k[0], v[0], cu, starts, max(lengths)).view(1, n, nq * d)
+            h, residual = rms_norm(F.linear(attn, lw.w_o), lw.ln2, eps, residual=residual)
+            if i + 1 == len(self.dec_layers):  # only the last tokens' hidden states are read
+                h, residual = h[:, last], residual[:, last]
+            mlp = F.linear(swiglu(F.linear(h, lw.w_gate_up)), lw.w_down)
+            nxt = self.dec_layers[i + 1].ln1 if i + 1 < len(self.dec_layers) else self.final_norm
+            h, residual = rms_norm(mlp, nxt, eps, residual=residual)
+        return h[0]
+
+    def _packed_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+                          starts: list[int], max_len: int) -> torch.Tensor:
+        """Causal attention within each prompt of a packed prefill: q (N, Hq, D), k/v (N, Hk, D) (views into the
+        QKV output), prompt i = rows [starts[i], starts[i+1]) (``cu`` the same boundaries on the device, int32);
+        returns (N, Hq, D)."""
+        scale = q.shape[-1] ** -0.5
+        if self.packed_attention == "flash-varlen":
+            # torch's flash-attention 2 varlen forward (GQA native: Hq a multiple of Hk), causal, no dropout
+            return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, True, False,
+                                                           scale=scale)[0]
+        out = torch.empty_like(q)
+        gqa = q.shape[1] != k.shape[1]
+        with _sdpa_backends(self.prefill_sdpa):
+            for s, e in zip(starts, starts[1:]):
+                out[s:e] = F.scaled_dot_product_attention(
+                    q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None],
+                    is_causal=True, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
+        return out
 
     def _fused_step_fits(self, batch: int) -> bool:
         """Whether a decode step of ``batch`` rows runs the fused chain (``fused_decode``, the skinny GEMMs, and

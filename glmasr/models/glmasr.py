@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..config import GlmAsrConfig
+from ..device import host_to_device
 from .kv_cache import KVCache
 from .decoder import TextDecoder
 from .encoder import AudioEncoder
@@ -46,6 +47,18 @@ class GlmAsrModel(nn.Module):
         """Run the decoder on embeddings at positions (sequence b in cache row ``rows[b]``, default b);
         returns final-normed hidden states."""
         return self.language_model(embeds, positions, cache, kv_len, rows)
+
+    def prefill(self, embeds: list[torch.Tensor], cache: KVCache, rows: list[int]) -> torch.Tensor:
+        """Prompts ``embeds[i]`` (L_i, hidden) into cache row ``rows[i]`` from slot 0; returns the final-normed
+        hidden state of each prompt's last token (len(embeds), hidden). One ``decode`` per prompt: the plain
+        reference of the fast path's packed prefill (same interface)."""
+        dev = self.device
+        last = []
+        for e, row in zip(embeds, rows):
+            n = e.shape[0]
+            positions = torch.arange(n, device=dev)[None]
+            last.append(self.decode(e[None], positions, cache, kv_len=n, rows=host_to_device([row], dev))[0, -1])
+        return torch.stack(last)
 
     def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         y = self.lm_head(hidden)
