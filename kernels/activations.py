@@ -44,7 +44,9 @@ def _tile(n: int) -> tuple[int, int, int]:
     return bm, bn, 8 if bm * bn >= 4096 else 4
 
 
-@triton.jit
+# Counts that vary per call (rows: a packed prefill's tokens, W x 1500 encoder rows, the decode batch) are not
+# specialised on, so a new count never compiles another variant in the middle of a request.
+@triton.jit(do_not_specialize=["M"])
 def _swiglu_kernel(X, Y, M, I, sx, sy, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -57,7 +59,9 @@ def _swiglu_kernel(X, Y, M, I, sx, sy, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
     tl.store(Y + rows64[:, None] * sy + cols[None, :], (s * u).to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# Counts that vary per call (rows: a packed prefill's tokens, W x 1500 encoder rows, the decode batch) are not
+# specialised on, so a new count never compiles another variant in the middle of a request.
+@triton.jit(do_not_specialize=["M"])
 def _gelu_bias_kernel(X, B, Y, M, N, sx, sy, HAS_BIAS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)

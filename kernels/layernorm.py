@@ -38,7 +38,9 @@ def layer_norm_ref(x, weight, bias, eps: float = 1e-5, residual=None):
     return out if residual is None else (out, new_res)
 
 
-@triton.jit
+# Counts that vary per call (rows: a packed prefill's tokens, W x 1500 encoder rows, the decode batch) are not
+# specialised on, so a new count never compiles another variant in the middle of a request.
+@triton.jit(do_not_specialize=["M"])
 def _layernorm_kernel(X, R, W, B, Y, RO, M, N, sx, sr, sy, sro, eps,
                       HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows64, cols, cmask, mask = row_block(M, N, BLOCK_M, BLOCK_N)

@@ -43,7 +43,9 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     return out if residual is None else (out, new_res)
 
 
-@triton.jit
+# Counts that vary per call (rows: a packed prefill's tokens, W x 1500 encoder rows, the decode batch) are not
+# specialised on, so a new count never compiles another variant in the middle of a request.
+@triton.jit(do_not_specialize=["M"])
 def _rmsnorm_kernel(X, R, W, Y, RO, M, N, sx, sr, sy, sro, eps,
                     HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)

@@ -136,7 +136,9 @@ def _rot_tokens(X, tok0, NTOK, H, T, sb, st, sh, P, spb, spt, COS, SIN, CS,
             tl.store(VC + vdst2, tl.load(V + vsrc2, mask=m4, other=0.0), mask=m4)
 
 
-@triton.jit
+# Counts that vary per call (rows: a packed prefill's tokens, W x 1500 encoder rows, the decode batch) are not
+# specialised on, so a new count never compiles another variant in the middle of a request.
+@triton.jit(do_not_specialize=["T", "NTOK", "NQB", "spb", "srb"])
 def _rope_kernel(Q, K, P, COS, SIN, CS, T, HQ, HK, NTOK, NQB,
                  sqb, sqt, sqh, skb, skt, skh, spb, spt,
                  KC, VC, V, svb, svt, svh, ROWS, srb, srt, skc_b, skc_h, skc_n, svc_b, svc_h, svc_n,

@@ -12,6 +12,7 @@ Prints a table per section and writes everything to OUT/benchmark.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -305,6 +306,47 @@ def throughput_stages(asr, audios, new_tokens, slots) -> dict:
                                                      max_new_tokens=new_tokens, ignore_eos=True, max_batch=slots))
 
 
+class _TritonCompiles:
+    """Triton kernel variants built (compiled, or loaded from Triton's disk cache) while active: host ms per
+    kernel and the specialisation of each, from Triton's JIT hooks."""
+
+    def __init__(self):
+        self.started, self.done = {}, []
+
+    def before(self, *, key, repr, fn, **_):
+        self.started[(fn.name, str(key))] = time.perf_counter()
+        return False  # a true value would skip the compile
+
+    def after(self, *, key, repr, fn, **_):
+        t0 = self.started.pop((fn.name, str(key)), None)
+        self.done.append((fn.name, 1e3 * (time.perf_counter() - t0) if t0 else float("nan"), repr))
+        return False
+
+    def summary(self) -> dict:
+        by_kernel = {}
+        for name, ms, _ in self.done:
+            n, total = by_kernel.get(name, (0, 0.0))
+            by_kernel[name] = (n + 1, total + ms)
+        slowest = sorted(self.done, key=lambda d: -d[1])[:12]
+        return {"count": len(self.done), "ms": round(sum(d[1] for d in self.done), 1),
+                "by_kernel": {k: {"count": n, "ms": round(ms, 1)} for k, (n, ms) in by_kernel.items()},
+                "slowest": [{"kernel": k, "ms": round(ms, 1), "signature": r[:400]} for k, ms, r in slowest]}
+
+
+@contextlib.contextmanager
+def triton_compiles():
+    """Record the Triton kernel variants built inside the block (``_TritonCompiles``)."""
+    from triton import knobs
+
+    rec = _TritonCompiles()
+    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = rec.before, rec.after
+    try:
+        yield rec
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
+
+
 def timed_call(asr, call) -> dict:
     """``call()`` (one transcribe) with CUDA events around the engine runner's encoder calls, prefills and decode
     rounds: host stages from ``timings_ms`` (audio, features), the engine's GPU time per kind, the rest of the
@@ -328,11 +370,12 @@ def timed_call(asr, call) -> dict:
         runner.prefill = timed("prefill", runner.prefill)
         runner.decode = timed("decode", runner.decode)
     try:
-        sync()
-        t0 = time.perf_counter()
-        res = call()
-        sync()
-        wall_ms = 1e3 * (time.perf_counter() - t0)
+        with triton_compiles() as compiles:
+            sync()
+            t0 = time.perf_counter()
+            res = call()
+            sync()
+            wall_ms = 1e3 * (time.perf_counter() - t0)
     finally:
         for name in ("encode", "prefill", "decode"):
             runner.__dict__.pop(name, None)
@@ -343,6 +386,8 @@ def timed_call(asr, call) -> dict:
         out[f"{kind}_gpu_ms"] = sum(a.elapsed_time(b) for a, b in pairs)
         out[f"{kind}_calls"] = len(pairs)
     out["wall_ms"] = wall_ms
+    # Triton kernel variants built during the call (a span that waited on one includes its time)
+    out["triton_compiles"] = compiles.summary()
     out["other_ms"] = wall_ms - out["audio_ms"] - out["encoder_gpu_ms"] - out["prefill_gpu_ms"] - out["decode_gpu_ms"]
     out["runner"] = {k: round(v, 1) for k, v in runner.stats.items()}
     return out
