@@ -12,7 +12,6 @@ Prints a table per section and writes everything to OUT/benchmark.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -25,13 +24,17 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 import glmasr  # noqa: E402
 from glmasr.engine.engine import Engine  # noqa: E402
 from glmasr.random_checkpoint import ensure_full_size_checkpoint  # noqa: E402
+from triton_hooks import triton_compiles  # noqa: E402
+from workloads import mixed_clips, noise_clip as clip  # noqa: E402
 
-SECTIONS = ("latency", "decode", "encoder", "throughput", "breakdown", "serve", "longform", "coldstart")
+SECTIONS = ("latency", "decode", "encoder", "throughput", "breakdown", "serve", "longform", "coldstart", "firstcall")
 # serve (the server under load, 20 s per concurrency level, scripts/bench/serve_load.py, ~3 min) and longform (an hour of mp3 to SRT,
-# scripts/bench/longform.py, ~1-2 min) run when asked for (--only): with them the whole run passes one device call.
+# scripts/bench/longform.py, ~1-2 min) and firstcall (the mixed workload as a fresh process's first call, 3
+# processes, ~1-2 min) run when asked for (--only): with them the whole run passes one device call.
 DEFAULT_SECTIONS = ("latency", "decode", "encoder", "throughput", "breakdown", "coldstart")
 # --smoke: every section at toy sizes on the tiny random checkpoint, on the CPU (Triton interpreter) or a GPU,
 # so the script itself is tested without spending GPU time (tests/test_benchmark_script.py).
@@ -75,9 +78,6 @@ def measure_peaks():
             "bf16_matmul_TFLOPs": 2 * 8192 ** 3 / mm_ms / 1e9}
 
 
-def clip(seconds: float, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(int(seconds * 16000), generator=g) * 0.1).numpy()
 
 
 class Peers:
@@ -260,12 +260,8 @@ def mixed_throughput(asr, slots) -> list[dict]:
     """Issue 13's mixed workload: 300 clips of 1-30 s (uniform), 40 forced tokens each, in one transcribe()
     call: the first call on a freshly built engine (reconfigure: new KV cache, slot tensors and graphs; the
     kernels stay compiled), then the same call warm."""
-    import numpy as np
-
     n, new_tokens = (6, 4) if SMOKE else (300, 40)
-    rng = np.random.default_rng(1)
-    seconds = rng.uniform(1.0, 30.0, n)
-    audios = [clip(float(s), seed=1000 + i) for i, s in enumerate(seconds)]
+    audios = mixed_clips(n)
     total_s = float(sum(len(a) for a in audios)) / 16000
     rows = []
     # today's packed prefill first (so it gets no head start from the other's warm caches), then the padded one
@@ -304,47 +300,6 @@ def throughput_stages(asr, audios, new_tokens, slots) -> dict:
     asr.reconfigure(max_batch=slots)
     return timed_call(asr, lambda: glmasr.transcribe(audios, model=asr, sampling_rate=16000,
                                                      max_new_tokens=new_tokens, ignore_eos=True, max_batch=slots))
-
-
-class _TritonCompiles:
-    """Triton kernel variants built (compiled, or loaded from Triton's disk cache) while active: host ms per
-    kernel and the specialisation of each, from Triton's JIT hooks."""
-
-    def __init__(self):
-        self.started, self.done = {}, []
-
-    def before(self, *, key, repr, fn, **_):
-        self.started[(fn.name, str(key))] = time.perf_counter()
-        return False  # a true value would skip the compile
-
-    def after(self, *, key, repr, fn, **_):
-        t0 = self.started.pop((fn.name, str(key)), None)
-        self.done.append((fn.name, 1e3 * (time.perf_counter() - t0) if t0 else float("nan"), repr))
-        return False
-
-    def summary(self) -> dict:
-        by_kernel = {}
-        for name, ms, _ in self.done:
-            n, total = by_kernel.get(name, (0, 0.0))
-            by_kernel[name] = (n + 1, total + ms)
-        slowest = sorted(self.done, key=lambda d: -d[1])[:12]
-        return {"count": len(self.done), "ms": round(sum(d[1] for d in self.done), 1),
-                "by_kernel": {k: {"count": n, "ms": round(ms, 1)} for k, (n, ms) in by_kernel.items()},
-                "slowest": [{"kernel": k, "ms": round(ms, 1), "signature": r[:400]} for k, ms, r in slowest]}
-
-
-@contextlib.contextmanager
-def triton_compiles():
-    """Record the Triton kernel variants built inside the block (``_TritonCompiles``)."""
-    from triton import knobs
-
-    rec = _TritonCompiles()
-    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
-    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = rec.before, rec.after
-    try:
-        yield rec
-    finally:
-        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
 
 
 def timed_call(asr, call) -> dict:
@@ -595,7 +550,7 @@ def _stage_sum(stages: dict) -> float:
 
 
 def coldstart_case(folder: Path, warmup: bool, caches: str, cache_dir: Path, timeout_s: float, seconds: float,
-                   new_tokens: int) -> dict:
+                   new_tokens: int, extra_args: tuple[str, ...] = ()) -> dict:
     cache_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, GLMASR_CACHE_DIR=str(cache_dir / "glmasr"), TRITON_CACHE_DIR=str(cache_dir / "triton"),
                TORCHINDUCTOR_CACHE_DIR=str(cache_dir / "inductor"), CUDA_CACHE_PATH=str(cache_dir / "cuda"))
@@ -603,7 +558,7 @@ def coldstart_case(folder: Path, warmup: bool, caches: str, cache_dir: Path, tim
     result.unlink(missing_ok=True)
     cmd = [sys.executable, str(COLDSTART_CHILD), str(folder), str(result), "--device", DEV,
            "--dtype", str(DTYPE).replace("torch.", ""), "--backend", "triton", "--seconds", str(seconds),
-           "--new-tokens", str(new_tokens)] + (["--warmup"] if warmup else [])
+           "--new-tokens", str(new_tokens), *extra_args] + (["--warmup"] if warmup else [])
     row = {"case": f"warm-up {'on' if warmup else 'off'}, caches {caches}", "warmup": warmup, "caches": caches}
     t0 = time.monotonic()
     try:
@@ -623,7 +578,8 @@ def coldstart_case(folder: Path, warmup: bool, caches: str, cache_dir: Path, tim
     row["stages_ms"] = st
     for key in ("load_stages_ms", "load_values", "warmup_stages_ms", "warmup_values", "first_request_timings_ms",
                 "second_request_timings_ms", "first_request_tokens", "model", "max_memory_allocated_GB",
-                "warmup_error", "error"):
+                "warmup_error", "error", "audio_s", "first_request_RTFx", "second_request_RTFx",
+                "first_request_triton_compiles", "second_request_triton_compiles"):
         if key in child:
             row[key] = child[key]
     if "load" in st and row.get("load_stages_ms"):
@@ -717,6 +673,33 @@ def section_coldstart(folder: Path):
             "cases": cases, "table": table}
 
 
+def section_firstcall(folder: Path) -> dict:
+    """Issue 13's mixed workload (300 clips of 1-30 s, 40 tokens, 128 slots) as the first transcribe() of a fresh
+    process (coldstart_child.py --mixed): caches cold (every Triton kernel compiled in the call), caches warm
+    (Triton's disk cache from the previous case: what a second run of the tool sees), and caches warm after
+    ``asr.warmup()``; then a second call in the same process."""
+    import shutil
+    import tempfile
+
+    timeout_s = float(os.environ.get("GLMASR_COLDSTART_CASE_TIMEOUT_S", "240"))
+    n, new_tokens, slots = (6, 2, 2) if SMOKE else (300, 40, 128)
+    base = Path(tempfile.mkdtemp(prefix="glmasr-firstcall-"))
+    cases = []
+    try:
+        for warmup, caches in ((False, "cold"), (False, "warm"), (True, "warm")):
+            row = coldstart_case(folder, warmup, caches, base, timeout_s, 1.0, new_tokens,
+                                 ("--mixed", str(n), "--max-batch", str(slots)))
+            keep = ("case", "rc", "stages_ms", "audio_s", "first_request_RTFx", "second_request_RTFx",
+                    "first_request_triton_compiles", "second_request_triton_compiles", "warmup_stages_ms", "error",
+                    "stderr_tail")
+            cases.append({k: row[k] for k in keep if k in row})
+            print({k: cases[-1].get(k) for k in ("case", "rc", "stages_ms", "first_request_RTFx",
+                                                 "second_request_RTFx")}, flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return {"clips": n, "new_tokens": new_tokens, "slots": slots, "cases": cases}
+
+
 def section_serve(asr, folder: Path, quick: bool, out: Path):
     """glmasr serve in its own process under 1-256 concurrent openai clients, beside offline on the same clips."""
     sys.path.insert(0, str(ROOT / "scripts" / "bench"))
@@ -792,6 +775,7 @@ def main():
                 "encoder": lambda: section_encoder(asr, peers, peaks, args.quick),
                 "throughput": lambda: section_throughput(asr, peers, args.quick),
                 "coldstart": lambda: section_coldstart(folder),
+                "firstcall": lambda: section_firstcall(folder),
                 "breakdown": lambda: section_breakdown(asr, peaks),
                 "serve": lambda: section_serve(asr, folder, args.quick, out),
                 "longform": lambda: section_longform(asr, args.quick, out)}

@@ -16,11 +16,13 @@ ROOT = Path(__file__).resolve().parent.parent
                     reason="needs CUDA, or TRITON_INTERPRET=1 to run the Triton path on the CPU")
 def test_benchmark_smoke(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--smoke", "--no-peers",
-                        "--only", "latency,decode,breakdown,coldstart", "--out", str(tmp_path)], capture_output=True,
+                        "--only", "latency,decode,breakdown,coldstart,firstcall", "--out", str(tmp_path)],
+                       capture_output=True,
                        text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
     report = json.loads((tmp_path / "benchmark.json").read_text())
     check_coldstart(report["coldstart"])
+    check_firstcall(report["firstcall"])
     assert report["latency"][0]["ours_ms"] > 0
     assert report["decode"][0]["ms_per_token"] > 0
     assert "error" not in report["latency"] and "error" not in report["decode"]
@@ -44,6 +46,18 @@ def check_coldstart(cs):
         assert c["target_s"] == {"cold": 10.0, "warm": 2.5}[c["caches"]]
         assert 0 < c["python_startup_ms"] < 1e3 * c["process_wall_s"], c
     assert "first transcribe()" in cs["table"] and "import torch" in cs["table"]
+
+
+def check_firstcall(fc):
+    """The mixed workload as a fresh process's first call: three processes, each with both calls' RTFx."""
+    assert isinstance(fc, dict) and "error" not in fc, fc
+    assert [c["case"] for c in fc["cases"]] == ["warm-up off, caches cold", "warm-up off, caches warm",
+                                                "warm-up on, caches warm"]
+    for c in fc["cases"]:
+        assert c["rc"] == 0 and "error" not in c, c
+        assert c["audio_s"] > fc["clips"] and c["first_request_RTFx"] > 0 and c["second_request_RTFx"] > 0, c
+        assert c["first_request_triton_compiles"]["count"] >= 0, c
+        assert ("warmup" in c["stages_ms"]) == c["case"].startswith("warm-up on"), c
 
 
 def test_benchmark_rejects_unknown_sections(tmp_path):

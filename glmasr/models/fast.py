@@ -441,12 +441,17 @@ class FastGlmAsrModel:
         starts = [0]
         for length in lengths:
             starts.append(starts[-1] + length)
-        # per-token positions and cache rows, the prompts' boundaries (int32, as flash takes them): one copy
-        host = torch.cat([torch.cat([torch.arange(length, dtype=torch.int32) for length in lengths]),
-                          torch.repeat_interleave(torch.tensor(rows, dtype=torch.int32), torch.tensor(lengths)),
-                          torch.tensor(starts, dtype=torch.int32)])
+        # per-token positions and cache rows, the prompts' boundaries (int32, as flash takes them): one copy, each
+        # part at a 64-byte aligned offset (Triton specialises on pointer alignment: an odd token count would
+        # otherwise compile another variant of the RoPE kernel)
+        stride = -(-n // 16) * 16
+        host = torch.zeros(2 * stride + len(starts), dtype=torch.int32)
+        host[:n] = torch.cat([torch.arange(length, dtype=torch.int32) for length in lengths])
+        host[stride:stride + n] = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int32), torch.tensor(lengths))
+        host[2 * stride:] = torch.tensor(starts, dtype=torch.int32)
         dev_idx = host_to_device(host, self.device)
-        positions, tok_rows, cu = dev_idx[:n].view(1, n), dev_idx[n:2 * n].view(1, n), dev_idx[2 * n:]
+        positions, tok_rows = dev_idx[:n].view(1, n), dev_idx[stride:stride + n].view(1, n)
+        cu = dev_idx[2 * stride:]
         last = (cu[1:] - 1).long()
         x = torch.cat(embeds)[None] if len(embeds) > 1 else embeds[0][None]
         residual = x

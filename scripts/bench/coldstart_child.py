@@ -2,13 +2,15 @@
 case, with the caches it chose in GLMASR_CACHE_DIR / TRITON_CACHE_DIR):
 
     python scripts/bench/coldstart_child.py CHECKPOINT RESULT.json [--device cuda] [--dtype bfloat16]
-        [--backend triton] [--warmup] [--seconds 3.5] [--new-tokens 13]
+        [--backend triton] [--warmup] [--seconds 3.5] [--new-tokens 13] [--mixed N --max-batch B]
 
 Stages, in order, each a wall clock that ends with the GPU synchronised (queued GPU work is charged to the stage
 that queued it): ``import torch``; ``import glmasr``; ``glmasr.load`` (and the handle's ``load_timings``, ms per
 load stage, as given); with --warmup ``asr.warmup()`` (and the ms per stage it returns); the first
 ``glmasr.transcribe`` of a SECONDS clip with NEW_TOKENS forced tokens (and its ``timings_ms``); a second one (the
-steady state, for comparison). RESULT.json is rewritten after every stage, so a crash or a timeout keeps what was
+steady state, for comparison). With --mixed N each request is instead one ``transcribe`` of issue 13's mixed
+workload (N clips of 1-30 s, scripts/bench/workloads.py) on an engine of B slots, and RESULT has the audio
+seconds, the RTFx and the Triton kernel variants each request built (scripts/bench/triton_hooks.py). RESULT.json is rewritten after every stage, so a crash or a timeout keeps what was
 measured; ``t_start`` / ``t_end`` are time.monotonic() (CLOCK_MONOTONIC, comparable with the parent's clock).
 """
 
@@ -52,7 +54,9 @@ def main() -> int:
 
     device, dtype, backend = opt("--device", "cuda"), opt("--dtype", "bfloat16"), opt("--backend", "triton")
     seconds, new_tokens, warmup = float(opt("--seconds", "3.5")), int(opt("--new-tokens", "13")), "--warmup" in args
-    RESULT.update(device=device, dtype=dtype, backend=backend, warmup=warmup, clip_s=seconds, new_tokens=new_tokens)
+    mixed, max_batch = int(opt("--mixed", "0")), opt("--max-batch", None)
+    RESULT.update(device=device, dtype=dtype, backend=backend, warmup=warmup, clip_s=seconds, new_tokens=new_tokens,
+                  mixed_clips=mixed, max_batch=max_batch)
     stages = RESULT["stages_ms"]
 
     t = time.monotonic()
@@ -77,7 +81,8 @@ def main() -> int:
         dump(result_path)
 
         t = time.monotonic()
-        asr = glmasr.load(folder, device=device, dtype=dtype, backend=backend)
+        engine_options = {"max_batch": int(max_batch)} if max_batch else {}
+        asr = glmasr.load(folder, device=device, dtype=dtype, backend=backend, **engine_options)
         sync()
         stages["load"] = 1e3 * (time.monotonic() - t)
         RESULT["load_stages_ms"] = as_ms_dict(getattr(asr, "load_timings", {}), "load")
@@ -101,15 +106,27 @@ def main() -> int:
                 RESULT["warmup_stages_ms"] = as_ms_dict(got, "warmup")
             dump(result_path)
 
-        g = torch.Generator().manual_seed(0)
-        audio = (torch.randn(int(seconds * 16000), generator=g) * 0.1).numpy()
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from triton_hooks import triton_compiles
+        from workloads import mixed_clips, noise_clip
+
+        audio = mixed_clips(mixed) if mixed else noise_clip(seconds, seed=0)
+        if mixed:
+            RESULT["audio_s"] = sum(len(a) for a in audio) / 16000
         for name in ("first_request", "second_request"):
-            t = time.monotonic()
-            r = glmasr.transcribe(audio, model=asr, sampling_rate=16000, max_new_tokens=new_tokens, ignore_eos=True)
-            sync()
-            stages[name] = 1e3 * (time.monotonic() - t)
-            RESULT[f"{name}_timings_ms"] = as_ms_dict(getattr(r, "timings_ms", {}), name)
-            RESULT[f"{name}_tokens"] = len(r.token_ids)
+            with triton_compiles() as compiles:
+                t = time.monotonic()
+                r = glmasr.transcribe(audio, model=asr, sampling_rate=16000, max_new_tokens=new_tokens,
+                                      ignore_eos=True)
+                sync()
+                stages[name] = 1e3 * (time.monotonic() - t)
+            RESULT[f"{name}_triton_compiles"] = compiles.summary()
+            if mixed:
+                RESULT[f"{name}_RTFx"] = RESULT["audio_s"] / (stages[name] / 1e3)
+                RESULT[f"{name}_tokens"] = sum(len(x.token_ids) for x in r)
+            else:
+                RESULT[f"{name}_timings_ms"] = as_ms_dict(getattr(r, "timings_ms", {}), name)
+                RESULT[f"{name}_tokens"] = len(r.token_ids)
             dump(result_path)
         if cuda:
             RESULT["max_memory_allocated_GB"] = torch.cuda.max_memory_allocated() / 1e9
