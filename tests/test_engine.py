@@ -249,6 +249,39 @@ def test_bf16_graph_replay_log_probs_equal_eager_steps(tiny_shipped):
     close_logprobs(graphed, eager, tol=0.0)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+def test_decode_round_captures_its_bucket_when_long_enough(tiny_shipped):
+    """A round on a new decode bucket captures it when it has >= CAPTURE_STEPS steps, else runs eagerly (the
+    bucket's next round captures it); every round is checked against that rule, and the tokens equal the eager
+    engine's."""
+    from glmasr.engine.model_runner import CAPTURE_STEPS, bucket, kv_bucket
+
+    asr = glmasr.load(tiny_shipped, device="cuda")
+    reqs = requests_for(asr, budgets=(9, 2, 13, 6, 3, 11, 7))
+    eager = poisoned_engine(asr.model, max_batch=4, sync_every=8, cuda_graphs=False).generate(reqs)
+    rounds = []
+    for sync_every in (CAPTURE_STEPS + 2, CAPTURE_STEPS - 1):
+        engine = poisoned_engine(asr.model, max_batch=4, sync_every=sync_every, cuda_graphs=True,
+                                 prefill_graphs=False)
+        runner, decode = engine.runner, engine.runner.decode
+
+        def spy(b, top, steps, runner=runner, decode=decode):
+            key = (bucket(b, runner.buckets), kv_bucket(top, runner.capacity))
+            new = key not in runner.graphs and key not in runner._seen_buckets
+            eager_before = runner.stats["decode_rounds_eager"]
+            decode(b, top, steps)
+            rounds.append((new, steps, runner.stats["decode_rounds_eager"] - eager_before, key in runner.graphs))
+
+        runner.decode = spy
+        assert same(engine.generate(reqs), eager)
+    for new, steps, eager_round, captured in rounds:
+        if new:
+            assert (eager_round, captured) == ((0, True) if steps >= CAPTURE_STEPS else (1, False)), rounds
+        else:
+            assert eager_round == 0 and captured, rounds
+    assert any(new and steps >= CAPTURE_STEPS for new, steps, _, _ in rounds), rounds
+
+
 def test_prefill_length_groups_bound_the_padding():
     """Mixed prompt lengths are prefilled in groups whose padded size is at most 1.25 x their real tokens."""
     import random

@@ -36,6 +36,8 @@ from ..pipeline import encode_groups
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 MIN_KV_BUCKET = 256
+# Decode steps whose eager host time pays for capturing their bucket's graph (``ModelRunner.decode``).
+CAPTURE_STEPS = 4
 MIN_CAPACITY = {"cuda": 1024, "cpu": 256}
 
 
@@ -315,10 +317,11 @@ class ModelRunner:
             return
         graph = self.graphs.get((b, kv_len))
         if graph is None:
-            # A bucket's first round runs eagerly (the same kernels, so the same tokens) and its second captures
-            # it: a capture costs tens of eager steps and syncs the host, which a bucket used once (a workload
-            # passing through on a fresh engine) never earns back. warmup() captures ahead.
-            if (b, kv_len) not in self._seen_buckets:
+            # A capture costs about CAPTURE_STEPS eager steps of host time (H200, 2026-12-01: ~98 ms per capture,
+            # ~23 ms per eager step of the full-size model), so a round of at least that many steps captures its
+            # bucket at once; a shorter round of a new bucket runs eagerly (the same kernels, so the same tokens)
+            # and the bucket's next round captures it. warmup() captures ahead.
+            if steps < CAPTURE_STEPS and (b, kv_len) not in self._seen_buckets:
                 self._seen_buckets.add((b, kv_len))
                 self.stats["decode_rounds_eager"] += 1
                 for _ in range(steps):
