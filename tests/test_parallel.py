@@ -196,15 +196,20 @@ def test_cli_devices(tiny_shipped, files, reference, tmp_path, capsys):
 def test_two_workers_sharing_one_gpu_equal_one_process(tiny_shipped, files, tmp_path):
     """On the GPU: two engine processes on cuda:0 give each file exactly what one in-process CUDA engine gives
     (tokens, text, times), and a worker killed on the GPU has its files retried and restarts. fp32 on both
-    sides: in bf16 another batch beside a file may round its logits differently (a different GEMM shape)."""
+    sides: in bf16 another batch beside a file may round its logits differently (a different GEMM shape).
+    The files go out once both workers are ready: before that the first one ready may take them all (by
+    design: nobody waits for a slow starter; the H200 run of 2026-12-01 saw worker 0 finish all six first)."""
     import shutil
 
     _, paths = files
     asr = glmasr.load(tiny_shipped, device="cuda", dtype="float32")
     want = {str(p): glmasr.transcribe(str(p), model=asr, max_new_tokens=TOKENS) for p in paths}
     asr.close()
-    out = _bounded(lambda: transcribe_files(paths, devices="cuda:0,cuda:0", model=tiny_shipped,
-                                            dtype="float32", max_new_tokens=TOKENS, in_flight=2))
+    with DevicePool("cuda:0,cuda:0", model=tiny_shipped, dtype="float32",
+                    decode=glmasr.DecodeOptions(max_new_tokens=TOKENS), in_flight=2) as pool:
+        workers = _bounded(lambda: pool.wait_ready(timeout=LIMIT_S))
+        assert [w["state"] for w in workers] == ["ready", "ready"]
+        out = _bounded(lambda: list(pool.run(paths)))
     assert {r.worker for r in out} == {0, 1}, "both workers should have had files"
     for r in out:
         assert r.ok and r.device == "cuda:0", r
