@@ -1,6 +1,6 @@
 """GPU model path: the GLM-ASR forward pass on our Triton kernels over a fused weight cache.
 
-Same interface as ``GlmAsrModel`` (``encode_audio``, ``embed_tokens``, ``decode``,
+Same interface as ``GlmAsrModel`` (``encode_audio``, ``embed_tokens``, ``decode``, ``prefill``,
 ``logits``), so the engine loop runs either. Built once at load from a loaded reference model:
 
 - Weight cache: per decoder layer one fused ``[q; k; v]`` matrix (3072 x 2048) and one fused ``[gate; up]``
@@ -13,7 +13,9 @@ Same interface as ``GlmAsrModel`` (``encode_audio``, ``embed_tokens``, ``decode`
   straight from the KV buffer with per-sequence lengths (``kernels.decode_attention``), SwiGLU over the merged
   gate|up output and exact GELU with the GEMM's bias (``kernels.activations``). Decode-step GEMMs (one token
   per sequence, M <= 16) run on ``kernels.skinny_gemm`` (gate|up fused with SwiGLU), other GEMMs on cuBLAS
-  (``F.linear``); encoder attention is torch SDPA with cuDNN's kernel first, prefill attention torch SDPA.
+  (``F.linear``); encoder attention is ``kernels.encoder_attention`` (torch SDPA under the interpreter); the
+  packed prefill (``prefill``: every admitted prompt in one unpadded pass) runs one variable-length causal
+  flash-attention call, ``decode``'s padded prefill torch SDPA.
 - Encoder CUDA graphs for 1 and 2 windows (launch-bound); larger window counts run eagerly (GPU-bound).
 
 Contract of ``decode``: either a prefill from slot 0 (``positions`` = 0..T-1 for every row, ``kv_len == T``)
