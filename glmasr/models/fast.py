@@ -179,19 +179,6 @@ def _flash_varlen_supported(device: torch.device, dtype: torch.dtype, head_dim: 
     return torch.backends.cuda.is_flash_attention_available()
 
 
-def _bucket_chunks(n: int, buckets: tuple[int, ...]) -> list[int]:
-    """n as a sum of bucket sizes, largest first, no padding (buckets: powers of two from 1)."""
-    top, chunks = buckets[-1], []
-    while n >= top:
-        chunks.append(top)
-        n -= top
-    for b in reversed(buckets[:-1]):
-        if n >= b:
-            chunks.append(b)
-            n -= b
-    return chunks
-
-
 class FastGlmAsrModel:
     """GLM-ASR on Triton kernels + cuBLAS GEMMs; see the module docstring."""
 
@@ -290,17 +277,11 @@ class FastGlmAsrModel:
     def encode_audio(self, features: torch.Tensor) -> torch.Tensor:
         """Log-mel windows (W, n_mels, 3000) -> projected audio embeddings (W, 375, text_hidden).
 
-        With graphs and W <= the largest bucket, W is split into chunks whose sizes are buckets (the binary digits
-        of W), so no padded window is ever computed; each chunk replays its bucket's graph. Larger W: eager."""
+        With graphs, a W in ENCODER_BUCKETS replays that bucket's graph; any other W runs eagerly."""
         w = features.shape[0]
-        if (not self.encoder_graphs or w == 0 or w > self.ENCODER_BUCKETS[-1]
-                or torch.cuda.is_current_stream_capturing()):
+        if not self.encoder_graphs or w not in self.ENCODER_BUCKETS or torch.cuda.is_current_stream_capturing():
             return self._encode_eager(features)
-        outs, start = [], 0
-        for size in _bucket_chunks(w, self.ENCODER_BUCKETS):
-            outs.append(self._encode_graphed(features[start:start + size]))
-            start += size
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self._encode_graphed(features)
 
     def reset_encoder_graphs(self) -> None:
         """Drop the captured encoder graphs and their memory pool (after changing ``encoder_sdpa``). The pool
@@ -439,7 +420,7 @@ class FastGlmAsrModel:
         if len(rows) != len(lengths) or min(lengths, default=0) < 1:
             raise ValueError(f"prefill needs one cache row per prompt and non-empty prompts; got {len(rows)} rows "
                              f"for prompt lengths {lengths}")
-        n = sum(lengths)
+        n, max_len = sum(lengths), max(lengths)
         starts = [0]
         for length in lengths:
             starts.append(starts[-1] + length)
@@ -465,7 +446,7 @@ class FastGlmAsrModel:
             v = qkv[..., (nq + nk) * d:].view(1, n, nk, d)
             rope_and_append(q, k, v, positions, self.dec_cos, self.dec_sin, cache.k[i], cache.v[i],
                             cache_rows=tok_rows)
-            attn = self._packed_attention(q[0], k[0], v[0], cu, starts, max(lengths)).view(1, n, nq * d)
+            attn = self._packed_attention(q[0], k[0], v[0], cu, starts, max_len).view(1, n, nq * d)
             h, residual = rms_norm(F.linear(attn, lw.w_o), lw.ln2, eps, residual=residual)
             if i + 1 == len(self.dec_layers):  # only the last tokens' hidden states are read
                 h, residual = h[:, last], residual[:, last]
