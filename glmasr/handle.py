@@ -294,7 +294,8 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
     if fast:
         t = time.perf_counter()
         _triton_utils.set_pdl(options.pdl)
-        net = FastGlmAsrModel(net, encoder_graphs=options.encoder_graphs, decode_gemm=options.decode_gemm)
+        net = FastGlmAsrModel(net, encoder_graphs=options.encoder_graphs, decode_gemm=options.decode_gemm,
+                              decode_step=options.decode_step)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         timings["weight_fusion_ms"] = 1e3 * (time.perf_counter() - t)

@@ -11,6 +11,7 @@ Environment variables (each overrides the default; an explicit argument override
 | GLMASR_ENCODER_GRAPHS | encoder_graphs | 0: eager encoder instead of CUDA graphs |
 | GLMASR_PREFILL | prefill | "packed" (the prompts admitted together in one unpadded pass) or "padded" (per length group) |
 | GLMASR_DECODE_GEMM | decode_gemm | "skinny" (GEMV kernels for the decode step) or "cublas" |
+| GLMASR_DECODE_STEP | decode_step | "persistent" (a batch-1 decode step as one launch over all layers) or "chain" (one kernel per op) |
 | GLMASR_PDL | pdl | 0: no programmatic dependent launch in the decode step |
 | GLMASR_WEIGHTS_READER | weights_reader | "auto", "chunked" or "safe_open" (``weights.load_state_dict``) |
 | GLMASR_AUDIO_THREADS | (``audio_threads()``) | threads that decode and resample long audio (default: the usable CPUs, at most 8) |
@@ -35,12 +36,14 @@ DEFAULT_ENCODER_CHUNK = {"cuda": 32, "cpu": 4}
 # Prompt positions prefilled in one forward pass (bounds the prefill's activation memory).
 DEFAULT_MAX_PREFILL_TOKENS = {"cuda": 65536, "cpu": 8192}
 DECODE_GEMMS = ("skinny", "cublas")
+DECODE_STEPS = ("persistent", "chain")
 PREFILLS = ("packed", "padded")
 SEGMENTATIONS = ("windows", "vad")
 
 _ENV = {"max_batch": ("GLMASR_MAX_BATCH", int), "encoder_chunk": ("GLMASR_ENCODER_CHUNK", int),
         "prefill_graphs": ("GLMASR_PREFILL_GRAPHS", "flag"), "encoder_graphs": ("GLMASR_ENCODER_GRAPHS", "flag"),
         "decode_gemm": ("GLMASR_DECODE_GEMM", str), "pdl": ("GLMASR_PDL", "flag"), "prefill": ("GLMASR_PREFILL", str),
+        "decode_step": ("GLMASR_DECODE_STEP", str),
         "weights_reader": ("GLMASR_WEIGHTS_READER", str)}
 WEIGHTS_READERS = ("auto", "chunked", "safe_open")
 
@@ -64,6 +67,9 @@ class EngineOptions:
     prefill_graphs: bool = True
     encoder_graphs: bool = True
     decode_gemm: str = "skinny"
+    # a batch-1 decode step (with the skinny GEMVs) as one persistent launch over all layers
+    # (kernels/persistent_decode.py), or the chain of one kernel per op
+    decode_step: str = "persistent"
     # prompts admitted together: "packed" into one unpadded pass (the model's ``prefill``), or "padded" right-padded
     # per length group (the earlier path, kept for comparison)
     prefill: str = "packed"
@@ -78,6 +84,8 @@ class EngineOptions:
             raise ValueError(f"weights_reader must be one of {WEIGHTS_READERS}, got {self.weights_reader!r}")
         if self.decode_gemm not in DECODE_GEMMS:
             raise ValueError(f"decode_gemm must be one of {DECODE_GEMMS}, got {self.decode_gemm!r}")
+        if self.decode_step not in DECODE_STEPS:
+            raise ValueError(f"decode_step must be one of {DECODE_STEPS}, got {self.decode_step!r}")
         if self.prefill not in PREFILLS:
             raise ValueError(f"prefill must be one of {PREFILLS}, got {self.prefill!r}")
         for name in ("cuda_graphs", "prefill_graphs", "encoder_graphs", "pdl"):

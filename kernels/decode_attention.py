@@ -99,14 +99,15 @@ def _attn_tile(q, kbase, vbase, n, end, skn, svn, offs_d, dmask, m_i, l_i, acc, 
 
 
 @triton.jit
-def _rope_rows(X, row_off, offs_d, mask, c, s, HALF: tl.constexpr):
+def _rope_rows(X, row_off, offs_d, mask, c, s, HALF: tl.constexpr, CACHE: tl.constexpr):
     """Rows X[row_off[i] + d] rotated by RoPE's half-split rule on dims [0, 2*HALF), with kernels/rope.py's
     roundings (round(round(x*c) + round(-+x_partner*s)) in X's dtype; ``c``, ``s`` (BLOCK_D,) already rounded
-    to it, ``s`` negated on the first half); other dims as loaded. Returns (rows, BLOCK_D) in X's dtype."""
+    to it, ``s`` negated on the first half); other dims as loaded. Returns (rows, BLOCK_D) in X's dtype.
+    ``CACHE``: the loads' cache modifier ("" default; ".cg" where another program of the same kernel wrote X)."""
     rot = offs_d < 2 * HALF
     partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
-    x = tl.load(X + row_off[:, None] + offs_d[None, :], mask=mask, other=0.0)
-    xp = tl.load(X + row_off[:, None] + partner[None, :], mask=mask & rot[None, :], other=0.0)
+    x = tl.load(X + row_off[:, None] + offs_d[None, :], mask=mask, other=0.0, cache_modifier=CACHE)
+    xp = tl.load(X + row_off[:, None] + partner[None, :], mask=mask & rot[None, :], other=0.0, cache_modifier=CACHE)
     dt = x.dtype
     t = (x.to(tl.float32) * c[None, :]).to(dt).to(tl.float32)
     u = (xp.to(tl.float32) * s[None, :]).to(dt).to(tl.float32)
@@ -156,11 +157,11 @@ def _decode_attn_kernel(Q, K, V, LENS, ROWS, O, OP, LSE, max_len, chunk, n_split
         c = tl.load(COS + pc * scs + cs_d, mask=rot, other=0.0).to(dt).to(tl.float32)
         sn = tl.load(SIN + pc * scs + cs_d, mask=rot, other=0.0).to(dt).to(tl.float32)
         sn = tl.where(offs_d < HALF, -sn, sn)
-        q = _rope_rows(Q + b.to(tl.int64) * sqb, heads.to(tl.int64) * sqh, offs_d, hdmask, c, sn, HALF)
+        q = _rope_rows(Q + b.to(tl.int64) * sqb, heads.to(tl.int64) * sqh, offs_d, hdmask, c, sn, HALF, "")
         if (pos >= start) & (pos < start + chunk) & (pos < max_len):
             one = tl.zeros((1,), dtype=tl.int64)
             kn = _rope_rows(KN + b.to(tl.int64) * sknb + kvh.to(tl.int64) * sknh, one, offs_d, dmask[None, :], c,
-                            sn, HALF)
+                            sn, HALF, "")
             vn = tl.load(VN + b.to(tl.int64) * svnb + kvh.to(tl.int64) * svnh + one[:, None] + offs_d[None, :],
                          mask=dmask[None, :], other=0.0)
             tl.store(kbase + pos.to(tl.int64) * skn + one[:, None] + offs_d[None, :], kn, mask=dmask[None, :])

@@ -128,28 +128,93 @@ def section_latency(asr, peers, quick):
 
 
 def section_decode(asr, peaks, quick):
+    """ms per token at batch 1 for each context: the shipped step (persistent: one launch over all layers) and,
+    in the same run, the kernel chain it replaced."""
     model = asr.model
     cfg = asr.config.text
     weight_bytes = sum(t.numel() * t.element_size() for lw in model.dec_layers
                        for t in (lw.w_qkv, lw.w_o, lw.w_gate_up, lw.w_down)) + model.lm_head.numel() * 2
     floor_ms = weight_bytes / (peaks["copy_GBps"] * 1e6)
+    read_floor_ms = weight_bytes / (peaks["read_GBps"] * 1e6) if peaks.get("read_GBps") else None
     rows = []
-    runner = decode_runner(model, cfg.max_position_embeddings)
     steps = 8  # decode steps per timed call (one read-back round)
-    for ctx in ((64,) if SMOKE else (64, 2048) if quick else (64, 512, 2048, 8192)):
-        # the timed steps write positions ctx-1 .. ctx+6: keep them inside the cache (8192 -> 8184)
-        ctx = min(ctx, runner.capacity - steps)
-        fill_decode_state(runner, cfg, ctx)
+    saved = getattr(model, "decode_step", None)
+    kinds = (saved,) if saved is None or SMOKE else (saved, "chain" if saved == "persistent" else "persistent")
+    try:
+        for kind in kinds:
+            if kind is not None:
+                model.decode_step = kind
+            runner = decode_runner(model, cfg.max_position_embeddings)
+            for ctx in ((64,) if SMOKE else (64, 2048) if quick else (64, 512, 2048, 8192)):
+                # the timed steps write positions ctx-1 .. ctx+6: keep them inside the cache (8192 -> 8184)
+                ctx = min(ctx, runner.capacity - steps)
+                fill_decode_state(runner, cfg, ctx)
 
-        def run():
-            runner.step_index.zero_()
-            runner.positions.fill_(ctx - 1)
-            runner.decode(1, ctx + steps, steps)
+                def run():
+                    runner.step_index.zero_()
+                    runner.positions.fill_(ctx - 1)
+                    runner.decode(1, ctx + steps, steps)
 
-        ms = sync_time(run, 2, 10) / steps
-        rows.append({"context": ctx, "ms_per_token": ms, "floor_ms": floor_ms, "pct_of_floor": 100 * floor_ms / ms})
-        print(rows[-1], flush=True)
+                ms = sync_time(run, 2, 10) / steps
+                rows.append({"decode_step": kind, "context": ctx, "ms_per_token": ms, "floor_ms": floor_ms,
+                             "pct_of_floor": 100 * floor_ms / ms, "read_floor_ms": read_floor_ms,
+                             "pct_of_read_floor": 100 * read_floor_ms / ms if read_floor_ms else None})
+                print(rows[-1], flush=True)
+            del runner
+    finally:
+        if saved is not None:
+            model.decode_step = saved
     return rows
+
+
+def persistent_configs(model, ctx: int = 64) -> dict:
+    """The persistent decode launch alone (all layers, batch 1, context ``ctx``), graph-timed per config of
+    kernels/persistent_decode.py; each config checked bit-equal to the default first (same arithmetic)."""
+    from glmasr_kernels import persistent_decode as pd
+    from glmasr.models.kv_cache import KVCache
+
+    if getattr(model, "dec_stack", None) is None or model.persistent_support:
+        return {}
+    c = model.cfg.text
+    cache = KVCache(c, 1, 1024, model.device, model.dtype)
+    cache.k.normal_(0, 0.5)
+    cache.v.normal_(0, 0.5)
+    lengths = torch.tensor([ctx], device=model.device)
+    start = torch.randn(1, c.hidden_size, device=model.device).to(model.dtype)
+    configs = [pd.PersistentConfig(), pd.PersistentConfig(num_warps=8),
+               pd.PersistentConfig(bn_qkv=8, bn_o=8, bn_gate_up=8, bn_down=8),
+               pd.PersistentConfig(bn_qkv=4, bn_o=4, bn_gate_up=4, bn_down=4, num_warps=8),
+               pd.PersistentConfig(bn_qkv=16, bn_o=16, bn_gate_up=8, bn_down=16),
+               pd.PersistentConfig(block_k=1024)]
+    out, reference = {}, None
+    for cfg in (configs[:1] if SMOKE else configs):
+        try:
+            ws = pd.PersistentWorkspace(model.dec_stack.wqkv.shape[1], c.num_attention_heads, c.head_dim,
+                                        model.dec_stack.wdown.shape[2], model.device, model.dtype)
+            res = start.clone()
+
+            def launch():
+                pd.persistent_decode(res, model.dec_stack, cache.k, cache.v, model.dec_cos, model.dec_sin, lengths,
+                                     ws, max_len=ctx, eps=c.rms_norm_eps, config=cfg)
+
+            launch()
+            sync()
+            if reference is None:
+                reference = res.clone()
+            res.copy_(start)
+            launch()
+            sync()
+            same = bool(torch.equal(res, reference))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(10):
+                    launch()
+            ms = sync_time(graph.replay, 2, 10) / 10
+            out[cfg.short()] = {"ms": ms, "bit_equal_to_default": same, "error_flag": ws.error()}
+        except Exception as e:  # noqa: BLE001  (one config failing must not hide the others)
+            out[cfg.short()] = {"error": repr(e)[:400]}
+        print(cfg.short(), out[cfg.short()], flush=True)
+    return out
 
 
 def decode_runner(model, capacity: int, **options):
@@ -429,21 +494,23 @@ def section_breakdown(asr, peaks):
     variants = {}
     saved_gemm = getattr(model, "decode_gemm", None)
     saved_fused = getattr(model, "fused_decode", None)
+    saved_step = getattr(model, "decode_step", None)
     saved_l2 = skinny_gemm.L2_PREFETCH
     try:
-        for label, pdl, gemm, fused, l2 in (
-                ("default", None, saved_gemm, saved_fused, saved_l2),
-                ("fused chain", None, saved_gemm, True, saved_l2),
-                ("L2 prefetch of the weight slices", None, saved_gemm, saved_fused, True),
-                ("no PDL", False, saved_gemm, saved_fused, saved_l2),
-                ("fused chain, no PDL", False, saved_gemm, True, saved_l2),
-                ("cuBLAS GEMMs, no PDL", False, "cublas", saved_fused, saved_l2)):
+        for label, pdl, gemm, fused, l2, step in (
+                ("default", None, saved_gemm, saved_fused, saved_l2, saved_step),
+                ("chain", None, saved_gemm, saved_fused, saved_l2, "chain"),
+                ("persistent, no PDL", False, saved_gemm, saved_fused, saved_l2, "persistent"),
+                ("fused chain", None, saved_gemm, True, saved_l2, "chain"),
+                ("L2 prefetch of the weight slices", None, saved_gemm, saved_fused, True, "chain"),
+                ("chain, no PDL", False, saved_gemm, saved_fused, saved_l2, "chain"),
+                ("cuBLAS GEMMs, no PDL", False, "cublas", saved_fused, saved_l2, "chain")):
             if SMOKE and label not in ("default", "fused chain"):
                 continue
             _triton_utils.set_pdl(pdl)
             skinny_gemm.L2_PREFETCH = l2
             if saved_gemm is not None:
-                model.decode_gemm, model.fused_decode = gemm, fused
+                model.decode_gemm, model.fused_decode, model.decode_step = gemm, fused, step
             runner = decode_runner(model, 1024 if SMOKE else 4096)
             variants[label], _ = step_ms(runner)
             del runner
@@ -464,8 +531,9 @@ def section_breakdown(asr, peaks):
         _triton_utils.set_pdl(None)
         skinny_gemm.L2_PREFETCH = saved_l2
         if saved_gemm is not None:
-            model.decode_gemm, model.fused_decode = saved_gemm, saved_fused
+            model.decode_gemm, model.fused_decode, model.decode_step = saved_gemm, saved_fused, saved_step
     report["decode_step_graph_ms"] = variants
+    report["persistent_configs"] = persistent_configs(model, ctx)
     runner = decode_runner(model, 1024 if SMOKE else 4096, cuda_graphs=False)
     step_ms(runner, 1)
 

@@ -103,6 +103,48 @@ def test_fused_decode_step_equals_unfused_chain(tiny_shipped, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_persistent_decode_step_equals_chain(tiny_shipped, dtype):
+    """A batch-1 decode step as one persistent launch (the default; staged launches under the interpreter)
+    against the kernel chain, same weights, a prompt then 4 steps from the same KV contents: the same hidden
+    states and cache writes. Both round at the same points (fp32 summation order aside): fp32 within 1e-5 of
+    the largest element, bf16 within one bf16 ulp (2**-7 relative) at >= 99 % bit for bit."""
+    from glmasr.models.fast import FastGlmAsrModel
+    from glmasr.models.kv_cache import KVCache
+
+    if dtype == "bfloat16" and not torch.cuda.is_available():
+        pytest.skip("bf16 comparison runs on the GPU (the interpreter's bf16 is fp32 truncated)")
+    ref = glmasr.load(tiny_shipped, device=DEVICE, dtype=dtype, backend="torch")
+    fast = FastGlmAsrModel(ref.model)
+    assert fast.decode_step == "persistent" and fast._persistent_step_fits(1) and not fast._persistent_step_fits(2)
+    c, dt = fast.cfg.text, getattr(torch, dtype)
+    g = torch.Generator().manual_seed(13)
+    prompt = torch.randn(1, 9, c.hidden_size, generator=g).to(DEVICE, dt)
+    caches = [KVCache(c, 2, 64, DEVICE, dt) for _ in range(2)]
+    row = torch.tensor([1], device=DEVICE)
+    for cache in caches:
+        fast.prefill([prompt[0]], cache, [1])
+    outs = []
+    for step_kind, cache in zip(("persistent", "chain"), caches):
+        fast.decode_step = step_kind
+        steps = []
+        for i in range(4):
+            x = torch.randn(1, 1, c.hidden_size, generator=torch.Generator().manual_seed(40 + i)).to(DEVICE, dt)
+            steps.append(fast.decode(x, torch.tensor([[9 + i]], device=DEVICE), cache, kv_len=32, rows=row))
+        outs.append((torch.stack(steps), cache))
+    (a, ca), (b, cb) = outs
+    assert torch.isfinite(a).all()
+    assert not fast._persistent_ws.error()
+    if dtype == "float32":
+        assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
+        assert torch.allclose(ca.k, cb.k, rtol=1e-5, atol=1e-6) and torch.allclose(ca.v, cb.v, rtol=1e-5, atol=1e-6)
+    else:
+        assert (a == b).float().mean().item() >= 0.99
+        assert ((a - b).abs() <= 2 ** -7 * b.abs() + 1e-6).all()
+        assert ((ca.k.float() - cb.k.float()).abs() <= 2 ** -7 * cb.k.float().abs() + 1e-6).all()
+    assert (ca.k[:, 0] == 0).all()  # row 0 untouched
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_packed_prefill_equals_reference_per_prompt(tiny_shipped, dtype):
     """The fast path's packed prefill (all prompts in one pass, per-token positions and cache rows, varlen
     attention: flash on the GPU in bf16, per-prompt SDPA in fp32 and under the interpreter) against the

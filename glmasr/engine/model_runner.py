@@ -106,7 +106,8 @@ class ModelRunner:
         self.eos_ids = torch.tensor(sorted(set(cfg.eos_token_ids)), dtype=torch.long, device=dev)
         cuda = dev.type == "cuda"
         # flat, so the (n, 2 * steps + 2) view of a round is contiguous (a strided pinned target would be staged)
-        self._host = torch.empty(n * (2 * self.sync_every + 2), dtype=torch.long, pin_memory=cuda)
+        # + 1: the persistent decode step's error flag rides along with the first round read back
+        self._host = torch.empty(n * (2 * self.sync_every + 2) + 1, dtype=torch.long, pin_memory=cuda)
         self._readback_event = torch.cuda.Event() if cuda else None
         self._readback_steps = 0
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -361,6 +362,9 @@ class ModelRunner:
         host memory, one tensor in one copy (enqueued)."""
         state = torch.cat([self.out[:, :steps], self.status[:, None], self.stop_token[:, None],
                            self.out_logprob[:, :steps].view(torch.long)], 1)  # bit-cast, no conversion
+        flag = getattr(self.model, "decode_error_flag", None)
+        if flag is not None:
+            state = torch.cat([state.view(-1), flag.long()])
         self._host[: state.numel()].view(state.shape).copy_(state, non_blocking=self._readback_event is not None)
         if self._readback_event is not None:
             self._readback_event.record()
@@ -372,7 +376,13 @@ class ModelRunner:
         if self._readback_event is not None:
             self._readback_event.synchronize()
         steps = self._readback_steps
-        host = self._host[: self.max_batch * (2 * steps + 2)].view(self.max_batch, 2 * steps + 2)
+        n = self.max_batch * (2 * steps + 2)
+        if getattr(self.model, "decode_error_flag", None) is not None and self._host[n]:
+            self.model.reset_decode_error()
+            raise RuntimeError("the persistent decode step's programs were not all resident on the GPU at once (a "
+                               "grid barrier timed out), so this round's tokens are wrong; run with "
+                               "GLMASR_DECODE_STEP=chain if the GPU is shared with other persistent kernels")
+        host = self._host[:n].view(self.max_batch, 2 * steps + 2)
         return steps, host[:, : steps + 2].tolist(), host[:, steps + 2:].view(torch.float64).tolist()
 
     # ---- warm-up ----

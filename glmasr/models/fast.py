@@ -34,6 +34,7 @@ import torch.nn.functional as F
 import triton.language as tl
 from torch import nn
 
+from glmasr_kernels import persistent_decode
 from glmasr_kernels._triton_utils import interpreting, next_pow2
 from glmasr_kernels.activations import gelu_bias, swiglu
 from glmasr_kernels.decode_attention import decode_attention
@@ -158,6 +159,30 @@ class _DecoderLayerWeights:
         self.ln2 = layer.post_attention_layernorm.weight
 
 
+def _stack_decoder_weights(layers: list[_DecoderLayerWeights], modules) -> "persistent_decode.PersistentWeights":
+    """One tensor per weight kind over the layers (what the persistent decode step indexes by layer); every
+    layer's weights, and the reference modules', become views of it (one copy of each weight, as before)."""
+    stack = persistent_decode.PersistentWeights(
+        *(torch.stack([getattr(lw, name) for lw in layers]) for name in
+          ("w_qkv", "w_o", "w_gate_up", "w_down", "ln1", "ln2")))
+    for i, (lw, layer) in enumerate(zip(layers, modules)):
+        attn, mlp = layer.self_attn, layer.mlp
+        lw.w_qkv, lw.w_o, lw.w_gate_up, lw.w_down = stack.wqkv[i], stack.wo[i], stack.wgu[i], stack.wdown[i]
+        lw.ln1, lw.ln2 = stack.ln1[i], stack.ln2[i]
+        nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+        _share(attn.q_proj, lw.w_qkv[:nq])
+        _share(attn.k_proj, lw.w_qkv[nq:nq + nk])
+        _share(attn.v_proj, lw.w_qkv[nq + nk:])
+        _share(attn.o_proj, lw.w_o)
+        inter = mlp.gate_proj.weight.shape[0]
+        _share(mlp.gate_proj, lw.w_gate_up[:inter])
+        _share(mlp.up_proj, lw.w_gate_up[inter:])
+        _share(mlp.down_proj, lw.w_down)
+        layer.input_layernorm.weight = nn.Parameter(lw.ln1, requires_grad=False)
+        layer.post_attention_layernorm.weight = nn.Parameter(lw.ln2, requires_grad=False)
+    return stack
+
+
 _SDPA = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
          "math": "MATH"}
 
@@ -186,7 +211,8 @@ class FastGlmAsrModel:
     # to whether the decoder runs on the kernels.
     uses_triton = True
 
-    def __init__(self, reference: GlmAsrModel, encoder_graphs: bool = True, decode_gemm: str = "skinny"):
+    def __init__(self, reference: GlmAsrModel, encoder_graphs: bool = True, decode_gemm: str = "skinny",
+                 decode_step: str = "persistent"):
         if reference.device.type != "cuda" and not interpreting():
             raise ValueError("the Triton model path needs the weights on a CUDA device "
                              "(or TRITON_INTERPRET=1 for CPU testing)")
@@ -195,6 +221,12 @@ class FastGlmAsrModel:
         if decode_gemm not in ("cublas", "skinny"):
             raise ValueError(f"decode_gemm must be 'cublas' or 'skinny', got {decode_gemm!r}")
         self.decode_gemm = decode_gemm
+        # A batch-1 decode step with the skinny GEMVs: "persistent" runs all layers in one launch
+        # (kernels/persistent_decode.py: grid barriers between stages, the next matrix's first weight tiles in
+        # flight during each barrier), "chain" one kernel per op (``decode``'s loop). Other batch sizes: the chain.
+        if decode_step not in ("persistent", "chain"):
+            raise ValueError(f"decode_step must be 'persistent' or 'chain', got {decode_step!r}")
+        self.decode_step = decode_step
         # Decode steps (one token per row, <= 16 rows) as the fused chain (``_decode_step_fused``) when True; off:
         # measured on the H200 (benchmark.sh breakdown, 2026-12-01) 1.265 ms against the unfused chain's 1.268 at
         # batch 1 (the launches it saves are paid back by the row statistics each GEMV program computes after its
@@ -219,6 +251,7 @@ class FastGlmAsrModel:
         enc, dec = reference.audio_tower, reference.language_model
         self.enc_layers = [] if "encoder" in self.fallbacks else [_EncoderLayerWeights(layer) for layer in enc.layers]
         self.dec_layers = [] if "decoder" in self.fallbacks else [_DecoderLayerWeights(layer) for layer in dec.layers]
+        self.dec_stack = _stack_decoder_weights(self.dec_layers, dec.layers) if self.dec_layers else None
         self.conv1, self.conv2 = enc.conv1, enc.conv2
         self.enc_norm = (enc.norm.weight, enc.norm.bias)
         self.proj = reference.multi_modal_projector
@@ -230,6 +263,14 @@ class FastGlmAsrModel:
                                                       cfg.audio.rope_theta, device=dev)
         self.dec_cos, self.dec_sin = build_rope_cache(cfg.text.head_dim, cfg.text.max_position_embeddings,
                                                       cfg.text.rope_theta, device=dev)
+        c = cfg.text
+        self.persistent_support = (persistent_decode.supports(c.hidden_size, c.num_attention_heads,
+                                                              c.num_key_value_heads, c.head_dim)
+                                   if self.dec_stack is not None else "the decoder runs on the plain path")
+        # the persistent step's activations and barrier counters (one engine stream launches it)
+        self._persistent_ws = None if self.persistent_support else persistent_decode.PersistentWorkspace(
+            self.dec_stack.wqkv.shape[1], c.num_attention_heads, c.head_dim, self.dec_stack.wdown.shape[2], dev,
+            reference.dtype)
         # Encoder CUDA graphs per window-count bucket (ENCODER_BUCKETS): eager batch 1 is launch-bound (~400
         # launches from Python per pass).
         self.encoder_graphs = encoder_graphs and dev.type == "cuda"
@@ -380,6 +421,8 @@ class FastGlmAsrModel:
         prefill = t > 1
         if prefill and kv_len != t:
             raise ValueError("the fast path prefills from slot 0 only (kv_len must equal the prompt length)")
+        if not prefill and self._persistent_step_fits(b):
+            return self._decode_step_persistent(embeds, positions, cache, kv_len, rows)
         if not prefill and self._fused_step_fits(b):
             return self._decode_step_fused(embeds, positions, cache, kv_len, rows)
         eps = c.rms_norm_eps
@@ -473,6 +516,35 @@ class FastGlmAsrModel:
                     q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None],
                     is_causal=True, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
         return out
+
+    def _persistent_step_fits(self, batch: int) -> bool:
+        """Whether a decode step of ``batch`` rows runs as one persistent launch (``decode_step``)."""
+        return (batch == 1 and self.decode_step == "persistent" and self.decode_gemm == "skinny"
+                and self.persistent_support is None)
+
+    def _decode_step_persistent(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
+                                rows: torch.Tensor | None) -> torch.Tensor:
+        """One batch-1 decode step: every layer in one launch (kernels/persistent_decode.py), same roundings
+        as the chain; then the final norm."""
+        c = self.cfg.text
+        hidden = embeds.shape[-1]
+        res = embeds.reshape(1, hidden).clone()  # the kernel updates the residual stream in place
+        persistent_decode.persistent_decode(res, self.dec_stack, cache.k, cache.v, self.dec_cos, self.dec_sin,
+                                            positions[:, 0] + 1, self._persistent_ws, cache_rows=rows,
+                                            max_len=kv_len, eps=c.rms_norm_eps, sm_scale=c.head_dim ** -0.5)
+        return rms_norm(res, self.final_norm, c.rms_norm_eps).view(1, 1, hidden)
+
+    @property
+    def decode_error_flag(self) -> torch.Tensor | None:
+        """(1,) int32 on the device, non-zero once a persistent decode launch gave up at a grid barrier (its
+        programs were not co-resident, so the step's output is wrong); the engine reads it back with each round's
+        tokens. None without the persistent step."""
+        if self._persistent_ws is None or self.decode_step != "persistent" or self.decode_gemm != "skinny":
+            return None
+        return self._persistent_ws.counters[2:3]
+
+    def reset_decode_error(self) -> None:
+        self._persistent_ws.reset()
 
     def _fused_step_fits(self, batch: int) -> bool:
         """Whether a decode step of ``batch`` rows runs the fused chain (``fused_decode``, the skinny GEMMs, and

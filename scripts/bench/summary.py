@@ -53,8 +53,10 @@ def benchmark_rows(path: Path) -> list[tuple[str, str]]:
                          f"{fmt(row.get('ours_ms'))} / {fmt(row.get('hf_eager_ms'))} / "
                          f"{fmt(row.get('hf_compiled_ms'))} ms"))
     if isinstance(r.get("decode"), list) and r["decode"]:
-        rows.append(("decode ms/token by context (batch 1)",
-                     ", ".join(f"{d['context']}: {d['ms_per_token']:.3f}" for d in r["decode"])))
+        for kind in dict.fromkeys(d.get("decode_step") for d in r["decode"]):
+            rows.append((f"decode ms/token by context (batch 1{', ' + kind if kind else ''})",
+                         ", ".join(f"{d['context']}: {d['ms_per_token']:.3f}" for d in r["decode"]
+                                   if d.get("decode_step") == kind)))
     if isinstance(r.get("encoder"), list):
         rows.append(("encoder ms/window by windows (ours / transformers eager)",
                      ", ".join(f"{e['windows']}: {e['ours_ms_per_window']:.2f} / "
@@ -63,9 +65,10 @@ def benchmark_rows(path: Path) -> list[tuple[str, str]]:
         rows.append(("throughput RTFx", ", ".join(f"{t['impl']}: {t['RTFx']:.0f}" for t in r["throughput"])))
     bd = r.get("breakdown")
     if isinstance(bd, dict) and "decode_step_graph_ms" in bd:
-        rows.append(("decode step (graph) ms, default / no PDL",
+        rows.append(("decode step (graph) ms, default / chain / chain no PDL",
                      f"{fmt(bd['decode_step_graph_ms'].get('default'), '.3f')} / "
-                     f"{fmt(bd['decode_step_graph_ms'].get('no PDL'), '.3f')}"))
+                     f"{fmt(bd['decode_step_graph_ms'].get('chain'), '.3f')} / "
+                     f"{fmt(bd['decode_step_graph_ms'].get('chain, no PDL'), '.3f')}"))
     cs = r.get("coldstart")
     if isinstance(cs, dict) and "cases" in cs:
         for c in cs["cases"]:
