@@ -90,10 +90,12 @@ class PersistentConfig:
     block_k: int = 2048
     num_warps: int = 16
     programs_per_sm: int = 1
+    # grid barrier: 1 Triton atomics, 2 a PTX poll loop in one thread, 0 none (timing probes: wrong results)
+    barrier: int = 1
 
     def short(self) -> str:
         return (f"qkv{self.bn_qkv} o{self.bn_o} gu{self.bn_gate_up} d{self.bn_down} BK{self.block_k} "
-                f"w{self.num_warps} p{self.programs_per_sm}")
+                f"w{self.num_warps} p{self.programs_per_sm} bar{self.barrier}")
 
 
 @dataclasses.dataclass
@@ -165,26 +167,41 @@ def persistent_decode_ref(res, weights: PersistentWeights, k_cache, v_cache, cos
 # ------------------------------------------------------------------------------------------------ kernel
 
 @triton.jit
-def _arrive(CNT):
+def _arrive(CNT, BARRIER: tl.constexpr):
     """This program's arrival at the grid barrier (CNT[0]), after every warp's writes of the stage."""
-    tl.debug_barrier()
-    tl.atomic_add(CNT, 1, sem="release", scope="gpu")
+    if BARRIER > 0:
+        tl.debug_barrier()
+        tl.atomic_add(CNT, 1, sem="release", scope="gpu")
 
 
 @triton.jit
-def _wait_for(CNT, target, MAXSPIN: tl.constexpr):
+def _wait_for(CNT, target, MAXSPIN: tl.constexpr, BARRIER: tl.constexpr):
     """Wait until CNT[0] >= ``target`` arrivals; on giving up, CNT[2] = 1 (error flag). The release fence of
     ``_arrive`` waits for the arriving thread's outstanding loads, so the next stage's weight tiles are issued
-    between the two calls, not before the arrival."""
-    cur = tl.atomic_add(CNT, 0, sem="acquire", scope="gpu")
-    # once a barrier of this launch gave up, the later ones do not wait either (the output is void anyway)
-    n = tl.where(tl.atomic_add(CNT + 2, 0, sem="relaxed", scope="gpu") != 0, MAXSPIN, 0)
-    while (cur < target) & (n < MAXSPIN):
+    between the two calls, not before the arrival. BARRIER 1: Triton atomics (one thread polls, the value is
+    broadcast through shared memory each poll); 2: thread 0 polls in a PTX loop, one block barrier after; 0: no
+    barrier at all (timing probes only: the result is wrong)."""
+    if BARRIER == 1:
         cur = tl.atomic_add(CNT, 0, sem="acquire", scope="gpu")
-        n += 1
-    if cur < target:
-        tl.atomic_xchg(CNT + 2, 1)
-    tl.debug_barrier()
+        # once a barrier of this launch gave up, the later ones do not wait either (the output is void anyway)
+        n = tl.where(tl.atomic_add(CNT + 2, 0, sem="relaxed", scope="gpu") != 0, MAXSPIN, 0)
+        while (cur < target) & (n < MAXSPIN):
+            cur = tl.atomic_add(CNT, 0, sem="acquire", scope="gpu")
+            n += 1
+        if cur < target:
+            tl.atomic_xchg(CNT + 2, 1)
+        tl.debug_barrier()
+    elif BARRIER == 2:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p, q; .reg .b32 v, t, n; .reg .b64 e; mov.u32 t, %tid.x; mov.u32 $0, 0; "
+            "setp.ne.u32 q, t, 0; @q bra DONE${:uid}; add.u64 e, $1, 8; ld.relaxed.gpu.global.b32 n, [e]; "
+            "setp.ne.u32 q, n, 0; mov.u32 n, 0; @q bra DONE${:uid}; "
+            "LOOP${:uid}: ld.acquire.gpu.global.b32 v, [$1]; add.u32 n, n, 1; setp.lt.s32 p, v, $2; "
+            "setp.lt.and.u32 p, n, $3, p; @p bra LOOP${:uid}; "
+            "setp.lt.s32 p, v, $2; @p st.relaxed.gpu.global.b32 [e], 1; "
+            "DONE${:uid}: }",
+            "=r,l,r,r", [CNT, target, MAXSPIN], dtype=tl.int32, is_pure=False, pack=1)
+        tl.debug_barrier()
 
 
 @triton.jit
@@ -359,7 +376,7 @@ def _persistent_decode_kernel(
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr, BK: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, S_P2: tl.constexpr, HAS_ROWS: tl.constexpr,
         STAGE: tl.constexpr, STATIC_ITERS: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
-        MAXSPIN: tl.constexpr):
+        MAXSPIN: tl.constexpr, BARRIER: tl.constexpr):
     # STAGE -1: all layers, barriers between stages; 0..4: only that stage of layer ``stage_layer``.
     NQKV: tl.constexpr = (NQ + 2 * NK) * D
     KO: tl.constexpr = NQ * D
@@ -380,35 +397,35 @@ def _persistent_decode_kernel(
             bar = layer * (_STAGES * G)
             x = _normed_row(RES, LN1 + lw * HID, eps, HID, BK)
             _gemv(wqkv, pid, qa, qa2, qb, qb2, x, RES, QKV, RES, NQKV, HID, 0, G, BN_QKV, BK, False, False, True)
-            _arrive(CNT)
+            _arrive(CNT, BARRIER)
             oa, oa2 = _w_tile(wo, 0, pid, True, HID, KO, 0, G, BN_O, BK, False)
             ob, ob2 = _w_tile(wo, 1, pid, True, HID, KO, 0, G, BN_O, BK, False)
-            _wait_for(CNT, bar + G, MAXSPIN)
+            _wait_for(CNT, bar + G, MAXSPIN, BARRIER)
             _attention_stage(layer, pid, QKV, KC, VC, COS, SIN, LENS, ROWS, OP, LSE, max_len, chunk, n_splits,
                              qk_scale, scs, skl, skb, skh, skn, svl, svb, svh, svn, NQ, NK, D, HALF, BLOCK_H,
                              BLOCK_N, S_P2, HAS_ROWS, STATIC_ITERS, DOT_PREC)
-            _arrive(CNT)
-            _wait_for(CNT, bar + 2 * G, MAXSPIN)
+            _arrive(CNT, BARRIER)
+            _wait_for(CNT, bar + 2 * G, MAXSPIN, BARRIER)
             x = _combined_heads(OP, LSE, n_splits, NQ, D, BK, S_P2, dt)
             _gemv(wo, pid, oa, oa2, ob, ob2, x, RES, RES, RES, HID, KO, 0, G, BN_O, BK, False, True, True)
-            _arrive(CNT)
+            _arrive(CNT, BARRIER)
             ga, ga2 = _w_tile(wgu, 0, pid, True, INTER, HID, INTER, G, BN_GU, BK, True)
             gb, gb2 = _w_tile(wgu, 1, pid, True, INTER, HID, INTER, G, BN_GU, BK, True)
-            _wait_for(CNT, bar + 3 * G, MAXSPIN)
+            _wait_for(CNT, bar + 3 * G, MAXSPIN, BARRIER)
             x = _normed_row(RES, LN2 + lw * HID, eps, HID, BK)
             _gemv(wgu, pid, ga, ga2, gb, gb2, x, RES, ACT, RES, INTER, HID, INTER, G, BN_GU, BK, True, False, True)
-            _arrive(CNT)
+            _arrive(CNT, BARRIER)
             da, da2 = _w_tile(wd, 0, pid, True, HID, INTER, 0, G, BN_D, BK, False)
             db, db2 = _w_tile(wd, 1, pid, True, HID, INTER, 0, G, BN_D, BK, False)
-            _wait_for(CNT, bar + 4 * G, MAXSPIN)
+            _wait_for(CNT, bar + 4 * G, MAXSPIN, BARRIER)
             _gemv(wd, pid, da, da2, db, db2, x, ACT, RES, RES, HID, INTER, 0, G, BN_D, BK, False, True, False)
             more = layer + 1 < NL
             if more:
-                _arrive(CNT)
+                _arrive(CNT, BARRIER)
             qa, qa2 = _w_tile(wqkv + NQKV * HID, 0, pid, more, NQKV, HID, 0, G, BN_QKV, BK, False)
             qb, qb2 = _w_tile(wqkv + NQKV * HID, 1, pid, more, NQKV, HID, 0, G, BN_QKV, BK, False)
             if more:
-                _wait_for(CNT, bar + 5 * G, MAXSPIN)
+                _wait_for(CNT, bar + 5 * G, MAXSPIN, BARRIER)
         # the last program out resets the counters for the next launch (nobody polls them any more)
         if tl.atomic_add(CNT + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
             tl.atomic_xchg(CNT, 0)
@@ -521,7 +538,7 @@ def persistent_decode(res: torch.Tensor, weights: PersistentWeights, k_cache: to
                  BN_QKV=cfg.bn_qkv, BN_O=cfg.bn_o, BN_GU=cfg.bn_gate_up, BN_D=cfg.bn_down, BK=bk,
                  BLOCK_H=max(16, next_pow2(n_heads // n_kv)), BLOCK_N=block_n, S_P2=MAX_SPLITS,
                  HAS_ROWS=cache_rows is not None, STATIC_ITERS=cdiv(chunk, block_n) if interp else 0,
-                 DOT_PREC=dot_prec, PDL=pdl, MAXSPIN=MAX_SPIN, num_warps=cfg.num_warps)
+                 DOT_PREC=dot_prec, PDL=pdl, MAXSPIN=MAX_SPIN, BARRIER=cfg.barrier, num_warps=cfg.num_warps)
     if not interp:
         # RoPE's intermediate roundings must stay (kernels/rope.py: fp fusion contracts them into FMAs)
         const["enable_fp_fusion"] = False

@@ -168,53 +168,15 @@ def section_decode(asr, peaks, quick):
 
 
 def persistent_configs(model, ctx: int = 64) -> dict:
-    """The persistent decode launch alone (all layers, batch 1, context ``ctx``), graph-timed per config of
-    kernels/persistent_decode.py; each config checked bit-equal to the default first (same arithmetic)."""
-    from glmasr_kernels import persistent_decode as pd
-    from glmasr.models.kv_cache import KVCache
+    """The persistent decode launch alone over the model's weights, per variant (scripts/bench/persistent_probe.py)."""
+    from persistent_probe import VARIANTS, time_variants
 
     if getattr(model, "dec_stack", None) is None or model.persistent_support:
         return {}
     c = model.cfg.text
-    cache = KVCache(c, 1, 1024, model.device, model.dtype)
-    cache.k.normal_(0, 0.5)
-    cache.v.normal_(0, 0.5)
-    lengths = torch.tensor([ctx], device=model.device)
-    start = torch.randn(1, c.hidden_size, device=model.device).to(model.dtype)
-    configs = [pd.PersistentConfig(), pd.PersistentConfig(num_warps=8),
-               pd.PersistentConfig(bn_qkv=8, bn_o=8, bn_gate_up=8, bn_down=8),
-               pd.PersistentConfig(bn_qkv=4, bn_o=4, bn_gate_up=4, bn_down=4, num_warps=8),
-               pd.PersistentConfig(bn_qkv=16, bn_o=16, bn_gate_up=8, bn_down=16),
-               pd.PersistentConfig(block_k=1024)]
-    out, reference = {}, None
-    for cfg in (configs[:1] if SMOKE else configs):
-        try:
-            ws = pd.PersistentWorkspace(model.dec_stack.wqkv.shape[1], c.num_attention_heads, c.head_dim,
-                                        model.dec_stack.wdown.shape[2], model.device, model.dtype)
-            res = start.clone()
-
-            def launch():
-                pd.persistent_decode(res, model.dec_stack, cache.k, cache.v, model.dec_cos, model.dec_sin, lengths,
-                                     ws, max_len=ctx, eps=c.rms_norm_eps, config=cfg)
-
-            launch()
-            sync()
-            if reference is None:
-                reference = res.clone()
-            res.copy_(start)
-            launch()
-            sync()
-            same = bool(torch.equal(res, reference))
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(10):
-                    launch()
-            ms = sync_time(graph.replay, 2, 10) / 10
-            out[cfg.short()] = {"ms": ms, "bit_equal_to_default": same, "error_flag": ws.error()}
-        except Exception as e:  # noqa: BLE001  (one config failing must not hide the others)
-            out[cfg.short()] = {"error": repr(e)[:400]}
-        print(cfg.short(), out[cfg.short()], flush=True)
-    return out
+    return time_variants(model.dec_stack, model.dec_cos, model.dec_sin, c.num_attention_heads, c.num_key_value_heads,
+                         c.head_dim, c.rms_norm_eps, ctx, VARIANTS[:1] if SMOKE else VARIANTS,
+                         log=lambda *a: print(*a, flush=True))
 
 
 def decode_runner(model, capacity: int, **options):
