@@ -88,14 +88,17 @@ class PersistentConfig:
     bn_gate_up: int = 4
     bn_down: int = 8
     block_k: int = 2048
-    num_warps: int = 16
+    num_warps: int = 8
     programs_per_sm: int = 1
     # grid barrier: 1 Triton atomics, 2 a PTX poll loop in one thread, 0 none (timing probes: wrong results)
-    barrier: int = 1
+    barrier: int = 2
+    # register cap per thread (None: the compiler's choice); several programs per SM need it low enough to fit
+    maxnreg: int | None = None
 
     def short(self) -> str:
         return (f"qkv{self.bn_qkv} o{self.bn_o} gu{self.bn_gate_up} d{self.bn_down} BK{self.block_k} "
-                f"w{self.num_warps} p{self.programs_per_sm} bar{self.barrier}")
+                f"w{self.num_warps} p{self.programs_per_sm} bar{self.barrier}"
+                + (f" r{self.maxnreg}" if self.maxnreg else ""))
 
 
 @dataclasses.dataclass
@@ -280,20 +283,26 @@ def _normed_row(RES, LN, eps, HID: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def _combined_heads(OP, LSE, n_splits, NQ: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
                     S_P2: tl.constexpr, dt: tl.constexpr):
-    """The attention output (Hq * D,) from the splits' partials, as decode_attention's combine computes it."""
+    """The attention output (Hq * D,) from the splits' partials, as decode_attention's combine computes it
+    (max-shifted exp2 weights of the log-sum-exps); one split at a time, so only (BK,) vectors are live."""
     offs = tl.arange(0, BK)
     hh = offs // D
     dd = offs - hh * D
-    offs_s = tl.arange(0, S_P2)
-    m2 = (offs < NQ * D)[:, None] & (offs_s < n_splits)[None, :]
-    lse = tl.load(LSE + hh[:, None] * S_P2 + offs_s[None, :], mask=m2, other=float("-inf"), cache_modifier=".cg")
-    mx = tl.max(lse, axis=1)
+    kmask = offs < NQ * D
+    mx = tl.full((BK,), float("-inf"), tl.float32)
+    for s in tl.static_range(S_P2):
+        m = kmask & (s < n_splits)
+        mx = tl.maximum(mx, tl.load(LSE + hh * S_P2 + s, mask=m, other=float("-inf"), cache_modifier=".cg"))
     mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.where(lse > float("-inf"), tl.math.exp2(lse - mx[:, None]), 0.0)
-    den = tl.sum(w, axis=1)
-    o = tl.load(OP + (hh[:, None] * S_P2 + offs_s[None, :]) * D + dd[:, None], mask=m2, other=0.0,
-                cache_modifier=".cg")
-    num = tl.sum(o * w, axis=1)
+    den = tl.zeros((BK,), tl.float32)
+    num = tl.zeros((BK,), tl.float32)
+    for s in tl.static_range(S_P2):
+        m = kmask & (s < n_splits)
+        lse = tl.load(LSE + hh * S_P2 + s, mask=m, other=float("-inf"), cache_modifier=".cg")
+        w = tl.where(lse > float("-inf"), tl.math.exp2(lse - mx), 0.0)
+        o = tl.load(OP + (hh * S_P2 + s) * D + dd, mask=m, other=0.0, cache_modifier=".cg")
+        den += w
+        num += o * w
     return tl.where(den > 0.0, num / tl.where(den > 0.0, den, 1.0), 0.0).to(dt)
 
 
@@ -521,7 +530,10 @@ def persistent_decode(res: torch.Tensor, weights: PersistentWeights, k_cache: to
         raise ValueError(f"persistent_decode: {g} programs < {n_kv} kv heads")
     block_n = 16 if interp else 64
     n_splits, chunk = attention_splits(max_len, n_kv, g, block_n)
-    bk = min(cfg.block_k, next_pow2(max(hidden, n_heads * d)))
+    bk = min(cfg.block_k, next_pow2(max(hidden, n_heads * d, inter)))
+    if bk < next_pow2(max(hidden, n_heads * d)):
+        raise ValueError(f"persistent_decode: block_k {cfg.block_k} must cover hidden {hidden} and heads x head_dim "
+                         f"{n_heads * d} (their GEMVs hold the input vector as one K tile)")
     persistent = (not interp) if persistent is None else persistent
     if persistent and interp:
         raise ValueError("persistent_decode: the persistent launch cannot run in the CPU interpreter")
@@ -542,6 +554,10 @@ def persistent_decode(res: torch.Tensor, weights: PersistentWeights, k_cache: to
     if not interp:
         # RoPE's intermediate roundings must stay (kernels/rope.py: fp fusion contracts them into FMAs)
         const["enable_fp_fusion"] = False
+        # the attention stage's K/V pipeline: 2 stages (shared memory is what lets several programs share an SM)
+        const["num_stages"] = 2
+        if cfg.maxnreg:
+            const["maxnreg"] = cfg.maxnreg
         if pdl:
             const["launch_pdl"] = True
     if persistent:

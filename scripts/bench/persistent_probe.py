@@ -26,14 +26,18 @@ from glmasr_kernels.rope import build_rope_cache  # noqa: E402
 # (label, config, persistent launch?)
 VARIANTS = [
     ("default", pd.PersistentConfig(), True),
-    ("8 warps", pd.PersistentConfig(num_warps=8), True),
-    ("PTX poll loop", pd.PersistentConfig(barrier=2), True),
-    ("8 warps, PTX poll loop", pd.PersistentConfig(num_warps=8, barrier=2), True),
-    ("4-row blocks, 8 warps", pd.PersistentConfig(bn_qkv=4, bn_o=4, bn_gate_up=4, bn_down=4, num_warps=8), True),
-    ("16-row blocks", pd.PersistentConfig(bn_qkv=16, bn_o=16, bn_gate_up=8, bn_down=16), True),
+    ("16 warps", pd.PersistentConfig(num_warps=16), True),
+    ("Triton-atomics barrier", pd.PersistentConfig(barrier=1), True),
+    ("16 warps, Triton-atomics barrier", pd.PersistentConfig(num_warps=16, barrier=1), True),
+    ("4-row blocks", pd.PersistentConfig(bn_qkv=4, bn_o=4, bn_gate_up=4, bn_down=4), True),
+    ("16-row blocks, 16 warps", pd.PersistentConfig(bn_qkv=16, bn_o=16, bn_gate_up=8, bn_down=16, num_warps=16), True),
     ("no barriers (wrong result: the design's floor)", pd.PersistentConfig(barrier=0), True),
-    ("no barriers, 8 warps (wrong result)", pd.PersistentConfig(num_warps=8, barrier=0), True),
-    ("staged: one launch per layer and stage", pd.PersistentConfig(num_warps=8), False),
+    ("staged: one launch per layer and stage", pd.PersistentConfig(), False),
+    # two programs per SM (their block barriers decoupled), 4-row blocks to keep the work balanced
+    ("2 per SM, 4-row blocks, 128 registers", pd.PersistentConfig(4, 4, 4, 4, programs_per_sm=2, maxnreg=128), True),
+    ("2 per SM, 2-row blocks, 128 registers", pd.PersistentConfig(2, 2, 2, 2, programs_per_sm=2, maxnreg=128), True),
+    ("2 per SM, no barriers (wrong result)", pd.PersistentConfig(4, 4, 4, 4, programs_per_sm=2, maxnreg=128,
+                                                                 barrier=0), True),
 ]
 
 
