@@ -67,9 +67,9 @@ class EngineOptions:
     prefill_graphs: bool = True
     encoder_graphs: bool = True
     decode_gemm: str = "skinny"
-    # a batch-1 decode step (with the skinny GEMVs) as one persistent launch over all layers
-    # (kernels/persistent_decode.py), or the chain of one kernel per op
-    decode_step: str = "persistent"
+    # a batch-1 decode step (with the skinny GEMVs) as the chain of one kernel per op, or as one persistent
+    # launch over all layers (kernels/persistent_decode.py; measured slower on the H200, 2026-12-01: opt-in)
+    decode_step: str = "chain"
     # prompts admitted together: "packed" into one unpadded pass (the model's ``prefill``), or "padded" right-padded
     # per length group (the earlier path, kept for comparison)
     prefill: str = "packed"

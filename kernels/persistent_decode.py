@@ -90,7 +90,8 @@ class PersistentConfig:
     block_k: int = 2048
     num_warps: int = 8
     programs_per_sm: int = 1
-    # grid barrier: 1 Triton atomics, 2 a PTX poll loop in one thread, 0 none (timing probes: wrong results)
+    # grid barrier: 1 Triton atomics, 2 a PTX poll loop in one thread (acquire loads), 3 the same with relaxed
+    # polls and one acquire fence, 0 none (timing probes: wrong results)
     barrier: int = 2
     # register cap per thread (None: the compiler's choice); several programs per SM need it low enough to fit
     maxnreg: int | None = None
@@ -194,13 +195,20 @@ def _wait_for(CNT, target, MAXSPIN: tl.constexpr, BARRIER: tl.constexpr):
         if cur < target:
             tl.atomic_xchg(CNT + 2, 1)
         tl.debug_barrier()
-    elif BARRIER == 2:
+    elif BARRIER >= 2:
+        # 2: every poll an acquire load; 3: relaxed polls, one acquire fence once the count is reached
+        if BARRIER == 2:
+            poll: tl.constexpr = "ld.acquire.gpu.global.b32"
+            after: tl.constexpr = ""
+        else:
+            poll: tl.constexpr = "ld.relaxed.gpu.global.b32"
+            after: tl.constexpr = "fence.acq_rel.gpu; "
         tl.inline_asm_elementwise(
             "{ .reg .pred p, q; .reg .b32 v, t, n; .reg .b64 e; mov.u32 t, %tid.x; mov.u32 $0, 0; "
             "setp.ne.u32 q, t, 0; @q bra DONE${:uid}; add.u64 e, $1, 8; ld.relaxed.gpu.global.b32 n, [e]; "
             "setp.ne.u32 q, n, 0; mov.u32 n, 0; @q bra DONE${:uid}; "
-            "LOOP${:uid}: ld.acquire.gpu.global.b32 v, [$1]; add.u32 n, n, 1; setp.lt.s32 p, v, $2; "
-            "setp.lt.and.u32 p, n, $3, p; @p bra LOOP${:uid}; "
+            "LOOP${:uid}: " + poll + " v, [$1]; add.u32 n, n, 1; setp.lt.s32 p, v, $2; "
+            "setp.lt.and.u32 p, n, $3, p; @p bra LOOP${:uid}; " + after +
             "setp.lt.s32 p, v, $2; @p st.relaxed.gpu.global.b32 [e], 1; "
             "DONE${:uid}: }",
             "=r,l,r,r", [CNT, target, MAXSPIN], dtype=tl.int32, is_pure=False, pack=1)

@@ -231,6 +231,35 @@ def test_engine_with_skinny_decode_gemms(tiny_shipped):
         FastGlmAsrModel(ref.model, decode_gemm="cutlass")
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="needs CUDA, or TRITON_INTERPRET=1 to run the Triton kernels on the CPU")
+def test_engine_with_the_persistent_decode_step(tiny_shipped):
+    """Batch-1 decode steps as one persistent launch over all layers (opt-in ``decode_step='persistent'``; the
+    staged launches under the interpreter) give the reference tokens, eagerly and (GPU) replayed from CUDA
+    graphs; max_batch=1 makes every step a batch-1 step. A raised error flag (a grid barrier that gave up) fails
+    the round with a clear error instead of returning its tokens, and is cleared for the next call."""
+    from glmasr.models.fast import FastGlmAsrModel
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ref = glmasr.load(tiny_shipped, device=dev, dtype="float32", backend="torch")
+    fast = FastGlmAsrModel(glmasr.load(tiny_shipped, device=dev, dtype="float32", backend="torch").model,
+                           decode_step="persistent")
+    assert fast.decode_error_flag is not None
+    reqs = requests_for(ref, budgets=(6, 3, 5))
+    expected = greedy_generate(ref.model, reqs, ref.config.text.eos_token_ids)
+    for graphs in ((False, True) if torch.cuda.is_available() else (False,)):
+        engine = poisoned_engine(fast, max_batch=1, sync_every=3, cuda_graphs=graphs)
+        got = engine.generate(reqs)
+        assert same(got, expected), graphs
+        close_logprobs(got, expected)
+    fast.decode_error_flag.fill_(1)
+    with pytest.raises(RuntimeError, match="grid barrier timed out"):
+        poisoned_engine(fast, max_batch=1, sync_every=3, cuda_graphs=False).generate(reqs[:1])
+    assert not fast._persistent_ws.error()
+    assert same(poisoned_engine(fast, max_batch=1, sync_every=3, cuda_graphs=False).generate(reqs[:1]),
+                expected[:1])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs, bf16 Triton path)")
 def test_bf16_graph_replay_log_probs_equal_eager_steps(tiny_shipped):
     """The default GPU path (bf16, Triton kernels, skinny GEMVs, PDL): decode steps replayed from CUDA graphs
@@ -343,6 +372,8 @@ def test_prefill_option_is_checked():
 
     with pytest.raises(ValueError, match=r"prefill must be one of \('packed', 'padded'\), got 'pad'"):
         EngineOptions(prefill="pad")
+    with pytest.raises(ValueError, match="decode_step"):
+        EngineOptions(decode_step="megakernel")
     with pytest.raises(ValueError, match="prefill must be one of"):
         EngineOptions.from_env({"GLMASR_PREFILL": "flash"})
     assert EngineOptions.from_env({"GLMASR_PREFILL": "padded"}).prefill == "padded"

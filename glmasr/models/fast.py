@@ -212,7 +212,7 @@ class FastGlmAsrModel:
     uses_triton = True
 
     def __init__(self, reference: GlmAsrModel, encoder_graphs: bool = True, decode_gemm: str = "skinny",
-                 decode_step: str = "persistent"):
+                 decode_step: str = "chain"):
         if reference.device.type != "cuda" and not interpreting():
             raise ValueError("the Triton model path needs the weights on a CUDA device "
                              "(or TRITON_INTERPRET=1 for CPU testing)")
@@ -221,9 +221,11 @@ class FastGlmAsrModel:
         if decode_gemm not in ("cublas", "skinny"):
             raise ValueError(f"decode_gemm must be 'cublas' or 'skinny', got {decode_gemm!r}")
         self.decode_gemm = decode_gemm
-        # A batch-1 decode step with the skinny GEMVs: "persistent" runs all layers in one launch
-        # (kernels/persistent_decode.py: grid barriers between stages, the next matrix's first weight tiles in
-        # flight during each barrier), "chain" one kernel per op (``decode``'s loop). Other batch sizes: the chain.
+        # A batch-1 decode step with the skinny GEMVs: "chain" one kernel per op (``decode``'s loop), or
+        # "persistent" all layers in one launch (kernels/persistent_decode.py: grid barriers between stages, the
+        # next matrix's first weight tiles in flight during each barrier). Other batch sizes: the chain. Chain by
+        # default: on the H200 (2026-12-01, notes/decode_step.md) the persistent launch took 1.28 ms for the
+        # layers at context 64 against ~1.20 ms for the chain's, and more at long contexts.
         if decode_step not in ("persistent", "chain"):
             raise ValueError(f"decode_step must be 'persistent' or 'chain', got {decode_step!r}")
         self.decode_step = decode_step

@@ -27,6 +27,7 @@ from glmasr_kernels.rope import build_rope_cache  # noqa: E402
 VARIANTS = [
     ("default", pd.PersistentConfig(), True),
     ("16 warps", pd.PersistentConfig(num_warps=16), True),
+    ("relaxed polls + one acquire fence", pd.PersistentConfig(barrier=3), True),
     ("Triton-atomics barrier", pd.PersistentConfig(barrier=1), True),
     ("16 warps, Triton-atomics barrier", pd.PersistentConfig(num_warps=16, barrier=1), True),
     ("4-row blocks", pd.PersistentConfig(bn_qkv=4, bn_o=4, bn_gate_up=4, bn_down=4), True),
