@@ -115,37 +115,21 @@ def _rope_rows(X, row_off, offs_d, mask, c, s, HALF: tl.constexpr, CACHE: tl.con
 
 
 @triton.jit
-def _decode_attn_kernel(Q, K, V, LENS, ROWS, O, OP, LSE, max_len, chunk, n_splits, qk_scale,
-                        sqb, sqh, skb, skh, skn, svb, svh, svn, sob, soh,
-                        KN, VN, COS, SIN, scs, sknb, sknh, svnb, svnh,
-                        GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_N: tl.constexpr,
-                        SPLIT: tl.constexpr, HAS_ROWS: tl.constexpr, NUM_STAGES: tl.constexpr,
-                        DOT_PREC: tl.constexpr, STATIC_ITERS: tl.constexpr, PDL: tl.constexpr,
-                        ROPE: tl.constexpr, HALF: tl.constexpr):
-    pdl_begin(PDL)
-    pdl_wait(PDL)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    s_id = tl.program_id(2)
-    raw_length = tl.load(LENS + b).to(tl.int32)
+def _attend_split(Q, q_off, hmask, KN, VN, kbase, vbase, skn, svn, COS, SIN, scs, raw_length, max_len, start, chunk,
+                  qk_scale, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  NUM_STAGES: tl.constexpr, DOT_PREC: tl.constexpr, STATIC_ITERS: tl.constexpr, ROPE: tl.constexpr,
+                  HALF: tl.constexpr, CACHE: tl.constexpr):
+    """One program's split [start, start + chunk) of one kv head's context for its BLOCK_H query rows (Q +
+    q_off[i], rows past the group masked by ``hmask``): returns the normalised partial output (BLOCK_H, BLOCK_D)
+    fp32 and its log-sum-exp (log2 domain, -inf when empty). With ROPE, q and the new token's k (KN: its row,
+    VN: its v row; at position raw_length - 1) are rotated here, and the program whose split holds that position
+    stores the new k and v to the cache first (``CACHE``: the modifier of the q/k/v loads)."""
     length = tl.minimum(raw_length, max_len)
-    if HAS_ROWS:
-        row = tl.load(ROWS + b).to(tl.int64)
-    else:
-        row = b.to(tl.int64)
-    start = s_id * chunk
     end = tl.minimum(start + chunk, length)
-
-    offs_h = tl.arange(0, BLOCK_H)
-    hmask = offs_h < GROUP
     # head_dim is padded to BLOCK_D >= 16 (tl.dot needs K >= 16); the padding lanes are masked to zero.
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     hdmask = hmask[:, None] & dmask[None, :]
-    heads = kvh * GROUP + offs_h
-    kbase = K + row * skb + kvh.to(tl.int64) * skh
-    vbase = V + row * svb + kvh.to(tl.int64) * svh
     if ROPE:
         # the new token (position length - 1): q and its k rotated here, k and v appended to the cache by the
         # program whose chunk holds that position, before its own K/V loop reads them (barrier below)
@@ -153,22 +137,20 @@ def _decode_attn_kernel(Q, K, V, LENS, ROWS, O, OP, LSE, max_len, chunk, n_split
         pc = tl.maximum(pos, 0).to(tl.int64)
         rot = offs_d < 2 * HALF
         cs_d = offs_d % HALF
-        dt = K.dtype.element_ty
+        dt = kbase.dtype.element_ty
         c = tl.load(COS + pc * scs + cs_d, mask=rot, other=0.0).to(dt).to(tl.float32)
         sn = tl.load(SIN + pc * scs + cs_d, mask=rot, other=0.0).to(dt).to(tl.float32)
         sn = tl.where(offs_d < HALF, -sn, sn)
-        q = _rope_rows(Q + b.to(tl.int64) * sqb, heads.to(tl.int64) * sqh, offs_d, hdmask, c, sn, HALF, "")
+        q = _rope_rows(Q, q_off, offs_d, hdmask, c, sn, HALF, CACHE)
         if (pos >= start) & (pos < start + chunk) & (pos < max_len):
             one = tl.zeros((1,), dtype=tl.int64)
-            kn = _rope_rows(KN + b.to(tl.int64) * sknb + kvh.to(tl.int64) * sknh, one, offs_d, dmask[None, :], c,
-                            sn, HALF, "")
-            vn = tl.load(VN + b.to(tl.int64) * svnb + kvh.to(tl.int64) * svnh + one[:, None] + offs_d[None, :],
-                         mask=dmask[None, :], other=0.0)
+            kn = _rope_rows(KN, one, offs_d, dmask[None, :], c, sn, HALF, CACHE)
+            vn = tl.load(VN + one[:, None] + offs_d[None, :], mask=dmask[None, :], other=0.0, cache_modifier=CACHE)
             tl.store(kbase + pos.to(tl.int64) * skn + one[:, None] + offs_d[None, :], kn, mask=dmask[None, :])
             tl.store(vbase + pos.to(tl.int64) * svn + one[:, None] + offs_d[None, :], vn, mask=dmask[None, :])
         tl.debug_barrier()  # the block's own stores are visible to all its threads after this
     else:
-        q = tl.load(Q + b.to(tl.int64) * sqb + heads[:, None] * sqh + offs_d[None, :], mask=hdmask, other=0.0)
+        q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=hdmask, other=0.0, cache_modifier=CACHE)
     if STATIC_ITERS > 0:
         q = q.to(tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
@@ -185,13 +167,46 @@ def _decode_attn_kernel(Q, K, V, LENS, ROWS, O, OP, LSE, max_len, chunk, n_split
         for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
             m_i, l_i, acc = _attn_tile(q, kbase, vbase, n0 + offs_n, end, skn, svn, offs_d, dmask,
                                        m_i, l_i, acc, qk_scale, DOT_PREC, STATIC_ITERS > 0)
-
     nonempty = l_i > 0.0
     inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
-    out = acc * inv_l[:, None]
+    lse = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    return acc * inv_l[:, None], lse
+
+
+@triton.jit
+def _decode_attn_kernel(Q, K, V, LENS, ROWS, O, OP, LSE, max_len, chunk, n_splits, qk_scale,
+                        sqb, sqh, skb, skh, skn, svb, svh, svn, sob, soh,
+                        KN, VN, COS, SIN, scs, sknb, sknh, svnb, svnh,
+                        GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_N: tl.constexpr,
+                        SPLIT: tl.constexpr, HAS_ROWS: tl.constexpr, NUM_STAGES: tl.constexpr,
+                        DOT_PREC: tl.constexpr, STATIC_ITERS: tl.constexpr, PDL: tl.constexpr,
+                        ROPE: tl.constexpr, HALF: tl.constexpr):
+    pdl_begin(PDL)
+    pdl_wait(PDL)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s_id = tl.program_id(2)
+    raw_length = tl.load(LENS + b).to(tl.int32)
+    if HAS_ROWS:
+        row = tl.load(ROWS + b).to(tl.int64)
+    else:
+        row = b.to(tl.int64)
+    start = s_id * chunk
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h < GROUP
+    heads = kvh * GROUP + offs_h
+    kbase = K + row * skb + kvh.to(tl.int64) * skh
+    vbase = V + row * svb + kvh.to(tl.int64) * svh
+    out, lse = _attend_split(Q + b.to(tl.int64) * sqb, heads.to(tl.int64) * sqh, hmask,
+                             KN + b.to(tl.int64) * sknb + kvh.to(tl.int64) * sknh,
+                             VN + b.to(tl.int64) * svnb + kvh.to(tl.int64) * svnh, kbase, vbase, skn, svn,
+                             COS, SIN, scs, raw_length, max_len, start, chunk, qk_scale,
+                             BLOCK_H, D, BLOCK_D, BLOCK_N, NUM_STAGES, DOT_PREC, STATIC_ITERS, ROPE, HALF, "")
+    offs_d = tl.arange(0, BLOCK_D)
+    hdmask = hmask[:, None] & (offs_d < D)[None, :]
     if SPLIT:
         # partials: OP (B, HQ, S, D) fp32, LSE (B, HQ, S) fp32 (log2 domain; -inf when empty)
-        lse = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         prow = (b.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * n_splits + s_id
         tl.store(OP + prow[:, None] * D + offs_d[None, :], out, mask=hdmask)
         tl.store(LSE + prow, lse, mask=hmask)

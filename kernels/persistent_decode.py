@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import cdiv, check_device, interpreting, next_pow2, num_sms, pdl_begin, pdl_enabled, pdl_wait
-from .decode_attention import _attn_tile, _rope_rows, decode_attention_rope_append_ref
+from .decode_attention import _attend_split, decode_attention_rope_append_ref
 from .skinny_gemm import _normed, _swiglu_epilogue, skinny_gemm_ref, skinny_gemm_swiglu_ref
 
 __all__ = ["PersistentWeights", "PersistentWorkspace", "PersistentConfig", "persistent_decode",
@@ -327,57 +327,23 @@ def _attention_stage(layer, pid, QKV, KC, VC, COS, SIN, LENS, ROWS, OP, LSE, max
         g = pid // n_splits
         s_id = pid - g * n_splits
         raw_length = tl.load(LENS).to(tl.int32)
-        length = tl.minimum(raw_length, max_len)
         if HAS_ROWS:
             row = tl.load(ROWS).to(tl.int64)
         else:
             row = 0
-        start = s_id * chunk
-        end = tl.minimum(start + chunk, length)
         offs_h = tl.arange(0, BLOCK_H)
         hmask = offs_h < GROUP
-        offs_d = tl.arange(0, BLOCK_D)
-        dmask = offs_d < D
-        hdmask = hmask[:, None] & dmask[None, :]
         heads = g * GROUP + offs_h
         kbase = KC + layer.to(tl.int64) * skl + row * skb + g.to(tl.int64) * skh
         vbase = VC + layer.to(tl.int64) * svl + row * svb + g.to(tl.int64) * svh
-        pos = raw_length - 1
-        pc = tl.maximum(pos, 0).to(tl.int64)
-        rot = offs_d < 2 * HALF
-        cs_d = offs_d % HALF
-        dt = KC.dtype.element_ty
-        c = tl.load(COS + pc * scs + cs_d, mask=rot, other=0.0).to(dt).to(tl.float32)
-        sn = tl.load(SIN + pc * scs + cs_d, mask=rot, other=0.0).to(dt).to(tl.float32)
-        sn = tl.where(offs_d < HALF, -sn, sn)
-        q = _rope_rows(QKV, heads.to(tl.int64) * D, offs_d, hdmask, c, sn, HALF, ".cg")
-        if (pos >= start) & (pos < start + chunk) & (pos < max_len):
-            one = tl.zeros((1,), dtype=tl.int64)
-            kn = _rope_rows(QKV + NQ * D + g * D, one, offs_d, dmask[None, :], c, sn, HALF, ".cg")
-            vn = tl.load(QKV + (NQ + NK) * D + g * D + one[:, None] + offs_d[None, :], mask=dmask[None, :],
-                         other=0.0, cache_modifier=".cg")
-            tl.store(kbase + pos.to(tl.int64) * skn + one[:, None] + offs_d[None, :], kn, mask=dmask[None, :])
-            tl.store(vbase + pos.to(tl.int64) * svn + one[:, None] + offs_d[None, :], vn, mask=dmask[None, :])
-        tl.debug_barrier()  # this program's own cache stores are visible to all its threads after this
-        if STATIC_ITERS > 0:
-            q = q.to(tl.float32)
-        offs_n = tl.arange(0, BLOCK_N)
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        if STATIC_ITERS > 0:
-            for it in range(STATIC_ITERS):
-                m_i, l_i, acc = _attn_tile(q, kbase, vbase, start + it * BLOCK_N + offs_n, end, skn, svn, offs_d,
-                                           dmask, m_i, l_i, acc, qk_scale, DOT_PREC, True)
-        else:
-            for n0 in range(start, end, BLOCK_N):
-                m_i, l_i, acc = _attn_tile(q, kbase, vbase, n0 + offs_n, end, skn, svn, offs_d, dmask,
-                                           m_i, l_i, acc, qk_scale, DOT_PREC, False)
-        nonempty = l_i > 0.0
-        inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
-        lse = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        out, lse = _attend_split(QKV, heads.to(tl.int64) * D, hmask, QKV + NQ * D + g * D,
+                                 QKV + (NQ + NK) * D + g * D, kbase, vbase, skn, svn, COS, SIN, scs, raw_length,
+                                 max_len, s_id * chunk, chunk, qk_scale, BLOCK_H, D, BLOCK_D, BLOCK_N, 2, DOT_PREC,
+                                 STATIC_ITERS, True, HALF, ".cg")
+        offs_d = tl.arange(0, BLOCK_D)
+        hdmask = hmask[:, None] & (offs_d < D)[None, :]
         prow = heads * S_P2 + s_id
-        tl.store(OP + prow[:, None] * D + offs_d[None, :], acc * inv_l[:, None], mask=hdmask)
+        tl.store(OP + prow[:, None] * D + offs_d[None, :], out, mask=hdmask)
         tl.store(LSE + prow, lse, mask=hmask)
 
 

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from glmasr_kernels import persistent_decode as pd  # noqa: E402
+from graph_timing import graph_call_us  # noqa: E402
 from glmasr_kernels.rope import build_rope_cache  # noqa: E402
 
 # (label, config, persistent launch?)
@@ -42,22 +42,10 @@ VARIANTS = [
 ]
 
 
-def _median_ms(fn, warmup=2, runs=10):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
-
-
 def time_variants(stack: pd.PersistentWeights, cos, sin, n_heads: int, n_kv: int, head_dim: int, eps: float,
                   ctx: int = 64, variants=VARIANTS, log=print) -> dict:
-    """ms per launch of each variant (10 launches per graph replay) at context ``ctx``, with whether its
+    """ms per launch of each variant (10 launches per graph replay, graph_timing.graph_call_us) at context
+    ``ctx``, with whether its
     output equals the default's bit for bit and whether the error flag rose."""
     dev, dt = stack.wqkv.device, stack.wqkv.dtype
     n_layers, hidden = stack.wqkv.shape[0], stack.wqkv.shape[2]
@@ -81,14 +69,9 @@ def time_variants(stack: pd.PersistentWeights, cos, sin, n_heads: int, n_kv: int
             same = reference is None or bool(torch.equal(res, reference))
             if reference is None:
                 reference = res.clone()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(10):
-                    launch()
-            ms = _median_ms(graph.replay) / 10
+            ms = graph_call_us([launch], repeats=10) / 1e3
             out[label] = {"config": cfg.short(), "persistent": persistent, "ms": ms, "bit_equal_to_default": same,
                           "error_flag": ws.error()}
-            del graph
         except Exception as e:  # noqa: BLE001  (one variant failing must not hide the others)
             out[label] = {"config": cfg.short(), "error": repr(e)[:400]}
         log(label, out[label])
