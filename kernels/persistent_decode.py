@@ -148,9 +148,12 @@ def supports(hidden: int, n_heads: int, n_kv_heads: int, head_dim: int) -> str |
 # ------------------------------------------------------------------------------------------------ reference
 
 def persistent_decode_ref(res, weights: PersistentWeights, k_cache, v_cache, cos_cache, sin_cache, lengths,
-                          cache_rows=None, max_len=None, eps: float = 1e-5, sm_scale: float | None = None, **_):
+                          workspace=None, cache_rows=None, max_len=None, eps: float = 1e-5,
+                          sm_scale: float | None = None, persistent=None, config=None, programs=None,
+                          cooperative=True):
     """The layers with the reference ops (fp32 math on the rounded inputs, the chain's roundings); updates
-    ``res`` and the caches in place and returns ``res``."""
+    ``res`` and the caches in place and returns ``res``. ``persistent_decode``'s interface: the workspace and the
+    launch options are accepted and not used."""
     n_heads = weights.wo.shape[2] // k_cache.shape[-1]
     n_kv, d = k_cache.shape[2], k_cache.shape[-1]
     x = res

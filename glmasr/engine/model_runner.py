@@ -110,6 +110,7 @@ class ModelRunner:
         self._host = torch.empty(n * (2 * self.sync_every + 2) + 1, dtype=torch.long, pin_memory=cuda)
         self._readback_event = torch.cuda.Event() if cuda else None
         self._readback_steps = 0
+        self._readback_flag = False
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._seen_buckets: set[tuple[int, int]] = set()  # decode buckets that ran once without a graph
         self._prefill_graphs: dict[int, tuple] = {}
@@ -363,7 +364,8 @@ class ModelRunner:
         state = torch.cat([self.out[:, :steps], self.status[:, None], self.stop_token[:, None],
                            self.out_logprob[:, :steps].view(torch.long)], 1)  # bit-cast, no conversion
         flag = getattr(self.model, "decode_error_flag", None)
-        if flag is not None:
+        self._readback_flag = flag is not None  # read by finish_readback: what this copy carries, not what is now
+        if self._readback_flag:
             state = torch.cat([state.view(-1), flag.long()])
         self._host[: state.numel()].view(state.shape).copy_(state, non_blocking=self._readback_event is not None)
         if self._readback_event is not None:
@@ -377,7 +379,7 @@ class ModelRunner:
             self._readback_event.synchronize()
         steps = self._readback_steps
         n = self.max_batch * (2 * steps + 2)
-        if getattr(self.model, "decode_error_flag", None) is not None and self._host[n]:
+        if self._readback_flag and self._host[n]:
             self.model.reset_decode_error()
             raise RuntimeError("the persistent decode step's programs were not all resident on the GPU at once (a "
                                "grid barrier timed out), so this round's tokens are wrong; run with "

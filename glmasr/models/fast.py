@@ -4,7 +4,8 @@ Same interface as ``GlmAsrModel`` (``encode_audio``, ``embed_tokens``, ``decode`
 ``logits``), so the engine loop runs either. Built once at load from a loaded reference model:
 
 - Weight cache: per decoder layer one fused ``[q; k; v]`` matrix (3072 x 2048) and one fused ``[gate; up]``
-  matrix (12288 x 2048); per encoder layer a fused ``[q; k; v]`` matrix (3840 x 1280) with a fused bias whose
+  matrix (12288 x 2048), every decoder weight kind stacked over the layers (``dec_stack``, what the persistent
+  decode step indexes; each layer's weights are views of it); per encoder layer a fused ``[q; k; v]`` matrix (3840 x 1280) with a fused bias whose
   k part is zero (the encoder's k_proj has no bias). The reference modules' separate q/k/v (gate/up) weights
   are re-pointed to row slices of the fused tensors, so both paths share one copy of every weight and the
   reference path stays usable on the same object (``.reference``) for checks.
@@ -142,45 +143,50 @@ class _EncoderLayerWeights:
 
 
 class _DecoderLayerWeights:
-    def __init__(self, layer):
+    """Layer ``i``'s decoder weights as views of the stacked tensors (``_decoder_weights``): the fused ``[q; k;
+    v]`` and ``[gate; up]`` matrices written straight into their slots, the reference modules' weights re-pointed
+    to the same memory."""
+
+    def __init__(self, layer, stack: "persistent_decode.PersistentWeights", i: int):
         attn, mlp = layer.self_attn, layer.mlp
-        self.w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).contiguous()
+        self.w_qkv, self.w_o, self.w_gate_up, self.w_down = stack.wqkv[i], stack.wo[i], stack.wgu[i], stack.wdown[i]
+        self.ln1, self.ln2 = stack.ln1[i], stack.ln2[i]
+        torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], out=self.w_qkv)
+        torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], out=self.w_gate_up)
+        self.w_o.copy_(attn.o_proj.weight)
+        self.w_down.copy_(mlp.down_proj.weight)
+        self.ln1.copy_(layer.input_layernorm.weight)
+        self.ln2.copy_(layer.post_attention_layernorm.weight)
         nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
         _share(attn.q_proj, self.w_qkv[:nq])
         _share(attn.k_proj, self.w_qkv[nq:nq + nk])
         _share(attn.v_proj, self.w_qkv[nq + nk:])
-        self.w_gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous()
+        _share(attn.o_proj, self.w_o)
         inter = mlp.gate_proj.weight.shape[0]
         _share(mlp.gate_proj, self.w_gate_up[:inter])
         _share(mlp.up_proj, self.w_gate_up[inter:])
-        self.w_o = attn.o_proj.weight
-        self.w_down = mlp.down_proj.weight
-        self.ln1 = layer.input_layernorm.weight
-        self.ln2 = layer.post_attention_layernorm.weight
+        _share(mlp.down_proj, self.w_down)
+        layer.input_layernorm.weight = nn.Parameter(self.ln1, requires_grad=False)
+        layer.post_attention_layernorm.weight = nn.Parameter(self.ln2, requires_grad=False)
 
 
-def _stack_decoder_weights(layers: list[_DecoderLayerWeights], modules) -> "persistent_decode.PersistentWeights":
-    """One tensor per weight kind over the layers (what the persistent decode step indexes by layer); every
-    layer's weights, and the reference modules', become views of it (one copy of each weight, as before)."""
+@torch.no_grad()
+def _decoder_weights(modules) -> "tuple[list[_DecoderLayerWeights], persistent_decode.PersistentWeights]":
+    """The decoder's weights stacked over layers, one tensor per kind (what the persistent decode step indexes by
+    layer), and each layer's views of them. Each weight is copied once, into its slot; a layer's original tensors
+    are freed as soon as its modules point at the stack."""
+    first = modules[0]
+    attn, mlp = first.self_attn, first.mlp
+
+    def stacked(*parts):
+        rows = sum(p.shape[0] for p in parts)
+        return torch.empty((len(modules), rows, *parts[0].shape[1:]), device=parts[0].device, dtype=parts[0].dtype)
+
     stack = persistent_decode.PersistentWeights(
-        *(torch.stack([getattr(lw, name) for lw in layers]) for name in
-          ("w_qkv", "w_o", "w_gate_up", "w_down", "ln1", "ln2")))
-    for i, (lw, layer) in enumerate(zip(layers, modules)):
-        attn, mlp = layer.self_attn, layer.mlp
-        lw.w_qkv, lw.w_o, lw.w_gate_up, lw.w_down = stack.wqkv[i], stack.wo[i], stack.wgu[i], stack.wdown[i]
-        lw.ln1, lw.ln2 = stack.ln1[i], stack.ln2[i]
-        nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
-        _share(attn.q_proj, lw.w_qkv[:nq])
-        _share(attn.k_proj, lw.w_qkv[nq:nq + nk])
-        _share(attn.v_proj, lw.w_qkv[nq + nk:])
-        _share(attn.o_proj, lw.w_o)
-        inter = mlp.gate_proj.weight.shape[0]
-        _share(mlp.gate_proj, lw.w_gate_up[:inter])
-        _share(mlp.up_proj, lw.w_gate_up[inter:])
-        _share(mlp.down_proj, lw.w_down)
-        layer.input_layernorm.weight = nn.Parameter(lw.ln1, requires_grad=False)
-        layer.post_attention_layernorm.weight = nn.Parameter(lw.ln2, requires_grad=False)
-    return stack
+        stacked(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight), stacked(attn.o_proj.weight),
+        stacked(mlp.gate_proj.weight, mlp.up_proj.weight), stacked(mlp.down_proj.weight),
+        stacked(first.input_layernorm.weight), stacked(first.post_attention_layernorm.weight))
+    return [_DecoderLayerWeights(layer, stack, i) for i, layer in enumerate(modules)], stack
 
 
 _SDPA = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
@@ -252,8 +258,7 @@ class FastGlmAsrModel:
             self.uses_triton = False
         enc, dec = reference.audio_tower, reference.language_model
         self.enc_layers = [] if "encoder" in self.fallbacks else [_EncoderLayerWeights(layer) for layer in enc.layers]
-        self.dec_layers = [] if "decoder" in self.fallbacks else [_DecoderLayerWeights(layer) for layer in dec.layers]
-        self.dec_stack = _stack_decoder_weights(self.dec_layers, dec.layers) if self.dec_layers else None
+        self.dec_layers, self.dec_stack = ([], None) if "decoder" in self.fallbacks else _decoder_weights(dec.layers)
         self.conv1, self.conv2 = enc.conv1, enc.conv2
         self.enc_norm = (enc.norm.weight, enc.norm.bias)
         self.proj = reference.multi_modal_projector
@@ -519,10 +524,15 @@ class FastGlmAsrModel:
                     is_causal=True, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
         return out
 
+    @property
+    def _persistent_on(self) -> bool:
+        """Whether batch-1 decode steps run as one persistent launch (``decode_step``, the skinny GEMVs, and a
+        decoder shape the kernel serves)."""
+        return self._persistent_ws is not None and self.decode_step == "persistent" and self.decode_gemm == "skinny"
+
     def _persistent_step_fits(self, batch: int) -> bool:
-        """Whether a decode step of ``batch`` rows runs as one persistent launch (``decode_step``)."""
-        return (batch == 1 and self.decode_step == "persistent" and self.decode_gemm == "skinny"
-                and self.persistent_support is None)
+        """Whether a decode step of ``batch`` rows runs as one persistent launch."""
+        return batch == 1 and self._persistent_on
 
     def _decode_step_persistent(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
                                 rows: torch.Tensor | None) -> torch.Tensor:
@@ -541,9 +551,7 @@ class FastGlmAsrModel:
         """(1,) int32 on the device, non-zero once a persistent decode launch gave up at a grid barrier (its
         programs were not co-resident, so the step's output is wrong); the engine reads it back with each round's
         tokens. None without the persistent step."""
-        if self._persistent_ws is None or self.decode_step != "persistent" or self.decode_gemm != "skinny":
-            return None
-        return self._persistent_ws.counters[2:3]
+        return self._persistent_ws.counters[2:3] if self._persistent_on else None
 
     def reset_decode_error(self) -> None:
         self._persistent_ws.reset()
