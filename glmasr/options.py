@@ -13,6 +13,7 @@ Environment variables (each overrides the default; an explicit argument override
 | GLMASR_DECODE_GEMM | decode_gemm | "skinny" (GEMV kernels for the decode step) or "cublas" |
 | GLMASR_DECODE_STEP | decode_step | "persistent" (a batch-1 decode step as one launch over all layers) or "chain" (one kernel per op) |
 | GLMASR_PDL | pdl | 0: no programmatic dependent launch in the decode step |
+| GLMASR_BATCH_INVARIANT | batch_invariant | 1: a request's tokens never depend on the requests beside it (slower; below) |
 | GLMASR_WEIGHTS_READER | weights_reader | "auto", "chunked" or "safe_open" (``weights.load_state_dict``) |
 | GLMASR_AUDIO_THREADS | (``audio_threads()``) | threads that decode and resample long audio (default: the usable CPUs, at most 8) |
 | GLMASR_API_KEY | (``api_key()``) | the key ``glmasr serve`` requires when ``--api-key`` is not given |
@@ -43,7 +44,7 @@ SEGMENTATIONS = ("windows", "vad")
 _ENV = {"max_batch": ("GLMASR_MAX_BATCH", int), "encoder_chunk": ("GLMASR_ENCODER_CHUNK", int),
         "prefill_graphs": ("GLMASR_PREFILL_GRAPHS", "flag"), "encoder_graphs": ("GLMASR_ENCODER_GRAPHS", "flag"),
         "decode_gemm": ("GLMASR_DECODE_GEMM", str), "pdl": ("GLMASR_PDL", "flag"), "prefill": ("GLMASR_PREFILL", str),
-        "decode_step": ("GLMASR_DECODE_STEP", str),
+        "decode_step": ("GLMASR_DECODE_STEP", str), "batch_invariant": ("GLMASR_BATCH_INVARIANT", "flag"),
         "weights_reader": ("GLMASR_WEIGHTS_READER", str)}
 WEIGHTS_READERS = ("auto", "chunked", "safe_open")
 
@@ -75,6 +76,12 @@ class EngineOptions:
     prefill: str = "packed"
     pdl: bool = True
     weights_reader: str = "auto"
+    # Batch invariance: every request gets bit for bit what it would get alone, whatever runs beside it. Off, the
+    # bf16 kernels pick their configs (and cuBLAS its algorithms) by the number of rows in a call, so a
+    # near-tie between two tokens can go either way with the load. On: the encoder and its frontend run one
+    # window per call, each prompt is prefilled alone on one path, and the decode step runs row-count-independent
+    # kernels (glmasr/models/fast.py: ``batch_invariant``). The cost is measured (benchmark.sh --only invariant).
+    batch_invariant: bool = False
 
     def __post_init__(self):
         for name in ("max_batch", "encoder_chunk", "max_prefill_tokens"):
@@ -88,7 +95,7 @@ class EngineOptions:
             raise ValueError(f"decode_step must be one of {DECODE_STEPS}, got {self.decode_step!r}")
         if self.prefill not in PREFILLS:
             raise ValueError(f"prefill must be one of {PREFILLS}, got {self.prefill!r}")
-        for name in ("cuda_graphs", "prefill_graphs", "encoder_graphs", "pdl"):
+        for name in ("cuda_graphs", "prefill_graphs", "encoder_graphs", "pdl", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

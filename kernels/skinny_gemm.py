@@ -36,6 +36,13 @@ second small kernel sums the splits in a fixed order (deterministic) and applies
 the decoder's shapes, else a heuristic) or ``None`` = use cuBLAS (M > 16, or where the sweep found cuBLAS
 faster).
 
+Batch invariance (``linear_invariant`` / ``linear_swiglu_invariant``, any M): a row's result must not depend on
+how many rows share the call. ``select`` is tuned per row-count bucket (FMA configs for 1-2 rows, tensor-core
+ones above, cuBLAS past 16), so the same row comes out of different reduction orders. The invariant
+dispatchers run every row count on one config per (N, K): the 16-row tensor-core config (``invariant_config``),
+whose x tile is padded to 16 rows whatever M is, so each output element is the same dot product in the same
+order; more than 16 rows go through it 16 at a time.
+
 Fused prologue and epilogue for the decode step's chain (glmasr/models/fast.py):
 
 * ``norm_weight=g`` (RMSNorm prologue): y = rms_norm(x, g, eps) @ W^T. Every program reads its rows of x
@@ -71,7 +78,8 @@ from .rmsnorm import rms_norm_ref
 
 __all__ = [
     "SkinnyConfig", "CONFIGS", "MAX_M", "select", "kernel_config", "skinny_gemm", "skinny_gemm_swiglu", "skinny_gemm_ref",
-    "skinny_gemm_swiglu_ref", "linear", "linear_swiglu", "m_bucket",
+    "skinny_gemm_swiglu_ref", "linear", "linear_swiglu", "m_bucket", "invariant_config", "linear_invariant",
+    "linear_swiglu_invariant",
 ]
 
 MAX_M = 16
@@ -467,6 +475,15 @@ def kernel_config(m: int, n: int, k: int, swiglu: bool = False) -> SkinnyConfig:
     return select(m, n, k, swiglu) or _heuristic(m, n // 2 if swiglu else n, k, swiglu)
 
 
+def invariant_config(n: int, k: int, swiglu: bool = False) -> SkinnyConfig:
+    """The one config of the batch-invariant dispatchers for W (n, k): the 16-row one (tensor cores, x padded to
+    16 rows for every M)."""
+    cfg = kernel_config(MAX_M, n, k, swiglu)
+    if not cfg.use_dot:  # a hand-written table entry could say FMA; its BLOCK_M would follow M
+        cfg = dataclasses.replace(_heuristic(MAX_M, n // 2 if swiglu else n, k, swiglu), use_dot=True)
+    return cfg
+
+
 # ------------------------------------------------------------------------------------------------ launchers
 
 _WS: dict[tuple[str, int | None], list[torch.Tensor]] = {}
@@ -635,3 +652,29 @@ def linear_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
         return y
     out.copy_(y)
     return out
+
+
+def _invariant(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, swiglu: bool) -> torch.Tensor:
+    n = w.shape[0] // 2 if swiglu else w.shape[0]
+    cfg = invariant_config(w.shape[0], w.shape[1], swiglu)
+    x2 = as_rows(x)
+    m = x2.shape[0]
+    if m <= MAX_M:
+        return _launch(x, w, out, cfg, None, swiglu)
+    if out is None:
+        out = torch.empty((*x.shape[:-1], n), device=x.device, dtype=x.dtype)
+    out2 = out.view(m, n)
+    for i in range(0, m, MAX_M):
+        _launch(x2[i:i + MAX_M], w, out2[i:i + MAX_M], cfg, None, swiglu)
+    return out
+
+
+def linear_invariant(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) @ W^T for any number of rows, each row's result independent of the row count (module
+    docstring: batch invariance). Slower than ``linear`` where ``select`` would pick another config."""
+    return _invariant(x, w, out, False)
+
+
+def linear_swiglu_invariant(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear_swiglu`` for any number of rows, batch-invariant like ``linear_invariant``."""
+    return _invariant(x, w, out, True)

@@ -1,6 +1,7 @@
 """Latency and throughput of our engine against transformers, in one process, on one GPU (the H200).
 
-    bash benchmark.sh [--only latency,decode,encoder,throughput,coldstart,breakdown,serve,longform] [--quick]
+    bash benchmark.sh [--only latency,decode,encoder,throughput,breakdown,invariant,coldstart,serve,longform]
+                      [--quick]
                       [--no-peers] [--no-compiled-peer] [--out DIR]
 
 Every section runs ours and the peers on the same full-size GLM-ASR checkpoint with random bf16 weights
@@ -31,11 +32,12 @@ from glmasr.random_checkpoint import ensure_full_size_checkpoint  # noqa: E402
 from triton_hooks import triton_compiles  # noqa: E402
 from workloads import mixed_clips, noise_clip as clip  # noqa: E402
 
-SECTIONS = ("latency", "decode", "encoder", "throughput", "breakdown", "serve", "longform", "coldstart", "firstcall")
+SECTIONS = ("latency", "decode", "encoder", "throughput", "breakdown", "invariant", "serve", "longform", "coldstart",
+            "firstcall")
 # serve (the server under load, 20 s per concurrency level, scripts/bench/serve_load.py, ~3 min) and longform (an hour of mp3 to SRT,
 # scripts/bench/longform.py, ~1-2 min) and firstcall (the mixed workload as a fresh process's first call, 3
 # processes, ~1-2 min) run when asked for (--only): with them the whole run passes one device call.
-DEFAULT_SECTIONS = ("latency", "decode", "encoder", "throughput", "breakdown", "coldstart")
+DEFAULT_SECTIONS = ("latency", "decode", "encoder", "throughput", "breakdown", "invariant", "coldstart")
 # --smoke: every section at toy sizes on the tiny random checkpoint, on the CPU (Triton interpreter) or a GPU,
 # so the script itself is tested without spending GPU time (tests/test_benchmark_script.py).
 DEV = "cuda"
@@ -164,6 +166,53 @@ def section_decode(asr, peaks, quick):
     finally:
         if saved is not None:
             model.decode_step = saved
+    return rows
+
+
+def section_invariant(asr, quick):
+    """What ``EngineOptions.batch_invariant`` costs, against the default in the same run: ms per decode step at
+    batch 1 and 8 (context 512), the 3.5 s clip with 13 tokens, and the 300 mixed clips of 1-30 s (a second call
+    in each mode, so neither pays for the other's graph captures)."""
+    model, cfg = asr.model, asr.config.text
+    rows = []
+    steps, ctx = (2, 16) if SMOKE else (8, 512)
+    reps = (1, 1) if SMOKE else (2, 10)  # warm-up and timed calls (the smoke run only checks the plumbing)
+    for invariant in (False, True):
+        runner = Engine(model, max_batch=2 if SMOKE else 8, batch_invariant=invariant).runner
+        with torch.inference_mode():
+            runner.ensure_capacity(ctx + steps)
+        fill_decode_state(runner, cfg, ctx)
+        for b in ((1, 2) if SMOKE else (1, 8)):
+            def run():
+                runner.step_index.zero_()
+                runner.positions.fill_(ctx - 1)
+                runner.decode(b, ctx + steps, steps)
+
+            rows.append({"batch_invariant": invariant, "case": f"decode step, batch {b}, context {ctx}",
+                         "ms": sync_time(run, *reps) / steps})
+            print(rows[-1], flush=True)
+        del runner
+    short, short_tokens = clip(3.5), (2 if SMOKE else 13)
+    n, new_tokens = (2, 2) if SMOKE else (300, 40)
+    audios = mixed_clips(n)
+    total_s = float(sum(len(a) for a in audios)) / 16000
+    slots = 2 if SMOKE else 128
+    saved = asr.options
+    try:
+        for invariant in (False, True):
+            asr.reconfigure(batch_invariant=invariant, max_batch=1)
+            ms = sync_time(lambda: glmasr.transcribe(short, model=asr, sampling_rate=16000,
+                                                     max_new_tokens=short_tokens, ignore_eos=True), *reps)
+            rows.append({"batch_invariant": invariant, "case": f"3.5 s clip, {short_tokens} tokens", "ms": ms})
+            print(rows[-1], flush=True)
+            asr.reconfigure(batch_invariant=invariant, max_batch=slots)
+            ms = sync_time(lambda: glmasr.transcribe(audios, model=asr, sampling_rate=16000,
+                                                     max_new_tokens=new_tokens, ignore_eos=True), 1, 1)
+            rows.append({"batch_invariant": invariant, "case": f"{n} mixed clips 1-30 s x {new_tokens} tokens, "
+                         f"{slots} slots", "ms": ms, "RTFx": total_s / (ms / 1e3)})
+            print(rows[-1], flush=True)
+    finally:
+        asr.reconfigure(batch_invariant=saved.batch_invariant, max_batch=saved.max_batch)
     return rows
 
 
@@ -807,6 +856,7 @@ def main():
                 "coldstart": lambda: section_coldstart(folder),
                 "firstcall": lambda: section_firstcall(folder),
                 "breakdown": lambda: section_breakdown(asr, peaks),
+                "invariant": lambda: section_invariant(asr, args.quick),
                 "serve": lambda: section_serve(asr, folder, args.quick, out),
                 "longform": lambda: section_longform(asr, args.quick, out)}
     for name in SECTIONS:

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
                     reason="needs CUDA, or TRITON_INTERPRET=1 to run the Triton path on the CPU")
 def test_benchmark_smoke(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--smoke", "--no-peers",
-                        "--only", "latency,decode,breakdown,coldstart,firstcall", "--out", str(tmp_path)],
+                        "--only", "latency,decode,breakdown,invariant,coldstart,firstcall", "--out", str(tmp_path)],
                        capture_output=True,
                        text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -28,6 +28,10 @@ def test_benchmark_smoke(tmp_path):
     assert "error" not in report["latency"] and "error" not in report["decode"]
     assert "error" not in report["breakdown"], report["breakdown"]
     assert report["breakdown"]["decode_step_graph_ms"]["default"] > 0
+    inv = report["invariant"]
+    assert isinstance(inv, list), inv
+    assert {(r["case"], r["batch_invariant"]) for r in inv} == {(r["case"], m) for r in inv for m in (False, True)}
+    assert all(r["ms"] > 0 for r in inv) and len(inv) == 8
 
 
 def check_coldstart(cs):

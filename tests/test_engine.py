@@ -377,3 +377,8 @@ def test_prefill_option_is_checked():
     with pytest.raises(ValueError, match="prefill must be one of"):
         EngineOptions.from_env({"GLMASR_PREFILL": "flash"})
     assert EngineOptions.from_env({"GLMASR_PREFILL": "padded"}).prefill == "padded"
+    assert EngineOptions.from_env({"GLMASR_BATCH_INVARIANT": "1"}).batch_invariant is True
+    with pytest.raises(ValueError, match="GLMASR_BATCH_INVARIANT must be 0 or 1"):
+        EngineOptions.from_env({"GLMASR_BATCH_INVARIANT": "yes"})
+    with pytest.raises(ValueError, match="batch_invariant must be True or False"):
+        EngineOptions(batch_invariant=1)

@@ -145,6 +145,49 @@ def test_persistent_decode_step_equals_chain(tiny_shipped, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_decode_rows_equal_the_row_alone(tiny_shipped, dtype):
+    """``batch_invariant``: a sequence decoded alone (1 row, KV bucket 32) and the same sequence as row 7 of 19
+    (the other rows fresh random prompts and tokens at other positions, KV bucket 64: the GEMVs 16 rows at a
+    time, attention over a longer bucket) give bit-identical hidden states, logits and cache writes. Each prompt
+    is prefilled alone, as the engine does in this mode."""
+    from glmasr.models.fast import FastGlmAsrModel
+    from glmasr.models.kv_cache import KVCache
+
+    if dtype == "bfloat16" and not torch.cuda.is_available():
+        pytest.skip("bf16 runs on the GPU (the interpreter's bf16 is fp32 truncated)")
+    ref = glmasr.load(tiny_shipped, device=DEVICE, dtype=dtype, backend="torch")
+    fast = FastGlmAsrModel(ref.model)
+    fast.batch_invariant = True
+    c, dt = fast.cfg.text, getattr(torch, dtype)
+    g = torch.Generator().manual_seed(17)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE, dt)  # noqa: E731
+    b, target, plen = 19, 7, 9
+    prompt = rnd(plen, c.hidden_size)
+    alone, batch = KVCache(c, 1, 64, DEVICE, dt), KVCache(c, b, 64, DEVICE, dt)
+    for cache in (alone, batch):
+        cache.k.fill_(float("nan"))  # slots nobody wrote must never be read
+        cache.v.fill_(float("nan"))
+    first_alone = fast.logits(fast.prefill([prompt], alone, [0]))
+    lengths = [plen if r == target else 3 + (5 * r) % 20 for r in range(b)]
+    firsts = [fast.logits(fast.prefill([prompt if r == target else rnd(n, c.hidden_size)], batch, [r]))
+              for r, n in enumerate(lengths)]
+    assert torch.equal(firsts[target], first_alone)
+    for i in range(3):
+        x = rnd(1, 1, c.hidden_size)
+        h1 = fast.decode(x, torch.tensor([[plen + i]], device=DEVICE), alone, kv_len=32)
+        xs = rnd(b, 1, c.hidden_size)
+        xs[target] = x[0]
+        pos = torch.tensor([[n + i] for n in lengths], device=DEVICE)
+        hb = fast.decode(xs, pos, batch, kv_len=64)
+        assert torch.isfinite(hb).all()
+        assert torch.equal(hb[target], h1[0]), f"step {i}: row {target} of {b} differs from the row alone"
+        assert torch.equal(fast.logits(hb[:, 0])[target], fast.logits(h1[:, 0])[0])
+    n = plen + 3
+    assert torch.equal(batch.k[:, target, :, :n], alone.k[:, 0, :, :n])
+    assert torch.equal(batch.v[:, target, :, :n], alone.v[:, 0, :, :n])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_packed_prefill_equals_reference_per_prompt(tiny_shipped, dtype):
     """The fast path's packed prefill (all prompts in one pass, per-token positions and cache rows, varlen
     attention: flash on the GPU in bf16, per-prompt SDPA in fp32 and under the interpreter) against the

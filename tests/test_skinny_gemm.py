@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from glmasr_kernels.skinny_gemm import (  # noqa: E402
-    CONFIGS, kernel_config,
+    CONFIGS, invariant_config, kernel_config, linear_invariant, linear_swiglu_invariant,
     MAX_M, SkinnyConfig, linear, linear_swiglu, select, skinny_gemm, skinny_gemm_ref, skinny_gemm_swiglu,
     skinny_gemm_swiglu_ref)
 
@@ -241,6 +241,43 @@ def test_dispatchers():
         check(linear_swiglu(x, w2), skinny_gemm_swiglu_ref(x, w2), rtol=RTOL_SW, norm=NORM_SW)
 
 
+def _invariance(n, k, swiglu, counts, dtype=BF):
+    """Row r of a call of m rows, for every m in ``counts``, against the same row computed alone: bit for bit
+    (the batch-invariant dispatchers' promise), and each call within tolerance of the reference. Fresh random
+    rows around it at every m; outputs poisoned."""
+    fn, ref_fn = (linear_swiglu_invariant, skinny_gemm_swiglu_ref) if swiglu else (linear_invariant, skinny_gemm_ref)
+    w = gen(2 * n if swiglu else n, k, scale=k ** -0.5, dtype=dtype)
+    row = gen(1, k, dtype=dtype)
+    alone = fn(row, w, out=poisoned(1, n, dtype=dtype))
+    for m in counts:
+        x = gen(m, k, dtype=dtype)
+        at = (m * 7) // 10  # somewhere inside, also past the first 16-row chunk
+        x[at] = row[0]
+        out = poisoned(m, n, dtype=dtype)
+        assert fn(x, w, out=out) is out
+        if dtype == BF:
+            check(out, ref_fn(x, w), *((RTOL_SW, NORM_SW) if swiglu else (RTOL, NORM)))
+        else:
+            torch.testing.assert_close(out, ref_fn(x, w), rtol=1e-5, atol=1e-5)
+        assert torch.equal(out[at], alone[0]), f"M={m}: row {at} differs from the same row alone"
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_batch_invariant_dispatchers_small(swiglu):
+    """Any row count (past 16: the kernel 16 rows at a time): a row's output never depends on the others."""
+    assert invariant_config(37, 96, swiglu).use_dot
+    _invariance(37, 96, swiglu, (2, 5, 16, 21, 40))
+
+
+def test_batch_invariant_dispatchers_fp32():
+    _invariance(37, 200, False, (3, 17), dtype=torch.float32)
+
+
+def test_invariant_config_is_the_dot_path_even_where_the_table_says_fma(monkeypatch):
+    monkeypatch.setitem(CONFIGS, (48, 64, 16, False), SkinnyConfig(4, 64))
+    assert invariant_config(48, 64).use_dot
+
+
 # ------------------------------------------------------------------------------------------------ GPU, real shapes
 
 DECODE_SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (12288, 2048), "down": (2048, 6144),
@@ -261,6 +298,15 @@ def test_decode_shapes_gpu(name, m):
     same = (out == ref).float().mean().item()
     print(f"[exact] {name} M={m} cfg={kernel_config(m, n, k).short()} rel={rel:.2e} bit-identical={same:.4f}")
     assert same >= 0.95, f"only {same:.3f} of outputs bit-identical to the fp32 reference rounded once"
+
+
+@gpu_only
+@pytest.mark.parametrize("name", list(DECODE_SHAPES))
+def test_batch_invariant_decode_shapes_gpu(name):
+    """The decoder's shapes in bf16: a row alone equals that row in calls of 2-64 rows, bit for bit (the default
+    dispatch ``linear`` does not promise it: FMA configs for 1-2 rows, tensor cores above, cuBLAS past 16)."""
+    n, k = DECODE_SHAPES[name]
+    _invariance(n // 2 if name == "gate_up" else n, k, name == "gate_up", (2, 3, 8, 16, 33, 64))
 
 
 @gpu_only

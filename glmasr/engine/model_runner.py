@@ -85,6 +85,14 @@ class ModelRunner:
         self.sync_every = options.sync_every
         self.buckets = tuple(b for b in BATCH_BUCKETS if b < n) + (n,)
         self.use_graphs = options.cuda_graphs and self.device.type == "cuda"
+        # Batch invariance (EngineOptions.batch_invariant): one window per encoder call, one prompt per prefill
+        # pass on a path its own length chooses (``_prefill_alone``), and
+        # the model's row-count-independent decode kernels: the model's flag, which this runner sets before each of
+        # its prefills, decode rounds and dry passes (another engine on the same model, e.g. a benchmark's, may
+        # have set its own), so a graph is captured in this runner's mode.
+        self.batch_invariant = options.batch_invariant
+        self._model_has_mode = hasattr(model, "batch_invariant")
+        self._use_mode()
         self.prefill_graphs = options.prefill_graphs and self.use_graphs
         self.max_positions = cfg.max_position_embeddings
         start = capacity or MIN_CAPACITY["cuda" if self.device.type == "cuda" else "cpu"]
@@ -131,6 +139,10 @@ class ModelRunner:
             self._frontend = self._frontend()
         return self._frontend
 
+    def _use_mode(self) -> None:
+        if self._model_has_mode:
+            self.model.batch_invariant = self.batch_invariant
+
     # ---- encoder ----
     @torch.inference_mode()
     def encode(self, plans) -> tuple[list[torch.Tensor], dict]:
@@ -141,7 +153,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
-        embeds, packing_s = encode_groups(self.model, self.frontend, plans, self.options.encoder_chunk,
+        chunk = 1 if self.batch_invariant else self.options.encoder_chunk
+        embeds, packing_s = encode_groups(self.model, self.frontend, plans, chunk,
                                           self.cfg.audio_token_id, self.cfg.audio.num_mel_bins)
         timing = {"features_s": packing_s}
         if events is not None:
@@ -202,11 +215,16 @@ class ModelRunner:
         # Nothing here waits for the GPU (index lists go through pinned memory, scalars through index_fill_;
         # ``t[idx] = python_scalar`` would copy the scalar to the GPU synchronously), so on the latency path the
         # prefill and the first decode round are enqueued while the encoder still runs.
+        self._use_mode()
         dev = self.device
         lengths = [int(e.shape[0]) for e in embeds]
         longest = max(lengths)
         bkt = bucket(longest, PREFILL_BUCKETS)
-        if self.prefill_graphs and len(embeds) == 1 and longest <= bkt <= self.capacity:
+        if self.batch_invariant:
+            picks = [self._prefill_alone(e, n, s) for e, n, s in zip(embeds, lengths, slots)]
+            first = torch.cat([p[0] for p in picks]) if len(picks) > 1 else picks[0][0]
+            first_logprob = torch.cat([p[1] for p in picks]) if len(picks) > 1 else picks[0][1]
+        elif self.prefill_graphs and len(embeds) == 1 and longest <= bkt <= self.capacity:
             first, first_logprob = self._graphed_prefill(bkt, embeds[0], lengths[0], slots[0])
         elif self.packed_prefill:
             self.stats["prefills_packed"] += 1
@@ -240,6 +258,17 @@ class ModelRunner:
         self.stop_token.index_fill_(0, rows, -1)
         commit_tokens(next_tokens, next_logprobs, mask, **self._state())
         self.step_index += 1
+
+    def _prefill_alone(self, embeds: torch.Tensor, length: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch invariance: one prompt, on a path chosen by its own length only: its bucket's graph (the KV
+        capacity grown to the bucket first, normally a no-op: the capacity is a power of two >= the prompt), or
+        one packed pass where there is no graph (prefill graphs off, or longer than the largest bucket)."""
+        bkt = bucket(length, PREFILL_BUCKETS)
+        if self.prefill_graphs and length <= bkt <= self.max_positions:
+            self.ensure_capacity(bkt)
+            return self._graphed_prefill(bkt, embeds, length, slot)
+        self.stats["prefills_packed"] += 1
+        return greedy_pick(self.model.logits(self.model.prefill([embeds], self.cache, [slot])))
 
     def _padded_prefill(self, slots: list[int], embeds: list[torch.Tensor], lengths: list[int]
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,6 +340,7 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, b: int, top_position: int, steps: int) -> None:
         """``steps`` decode steps over slots [0, b); ``top_position`` bounds every position they reach."""
+        self._use_mode()
         b = bucket(b, self.buckets)
         kv_len = kv_bucket(top_position, self.capacity)
         if not self.use_graphs:
@@ -397,6 +427,7 @@ class ModelRunner:
 
         if not self.use_graphs:
             return False
+        self._use_mode()
         with self._slot_state_kept(), compile_ahead() as active:
             if active:
                 # the Triton encoder, eagerly (a graph captured here would lack the Triton kernels); an encoder
@@ -423,6 +454,7 @@ class ModelRunner:
         timings = {}
         if not self.use_graphs:
             return timings
+        self._use_mode()
         if compile_ahead:
             t0 = time.perf_counter()
             self.compile_kernels(batch_sizes, kv_lens, prefill_lengths, encoder_windows)

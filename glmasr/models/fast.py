@@ -240,6 +240,12 @@ class FastGlmAsrModel:
         # batch 1 (the launches it saves are paid back by the row statistics each GEMV program computes after its
         # PDL wait) and 2.254 against 1.639 ms at batch 8 (16 padded rows of statistics per tensor-core program).
         self.fused_decode = False
+        # Batch invariance (EngineOptions.batch_invariant; the engine's runner sets it): a decode row's numerics
+        # must not depend on the rows beside it. The decode GEMVs and the lm head then run one config per shape
+        # for every row count (skinny_gemm.linear_invariant), decode attention one pass per (row, kv head) (its
+        # split count would follow the batch), and neither the persistent nor the fused step (batch-1 or
+        # row-count-dependent paths).
+        self.batch_invariant = False
         self.reference = reference
         self.cfg = cfg = reference.cfg
         # Parts whose config a kernel cannot serve run on the reference modules: the instance attributes below
@@ -450,7 +456,8 @@ class FastGlmAsrModel:
                 attn = attn.transpose(1, 2).reshape(b, t, nq * d)
             else:
                 attn = decode_attention(q[:, 0], cache.k[i], cache.v[i], lengths, max_len=kv_len, cache_rows=rows,
-                                        sm_scale=d ** -0.5).reshape(b, 1, nq * d)
+                                        sm_scale=d ** -0.5, num_splits=1 if self.batch_invariant else None
+                                        ).reshape(b, 1, nq * d)
             h, residual = rms_norm(linear(attn, lw.w_o), lw.ln2, eps, residual=residual)
             mlp = linear(linear_swiglu(h, lw.w_gate_up), lw.w_down)
             nxt = self.dec_layers[i + 1].ln1 if i + 1 < len(self.dec_layers) else self.final_norm
@@ -528,7 +535,8 @@ class FastGlmAsrModel:
     def _persistent_on(self) -> bool:
         """Whether batch-1 decode steps run as one persistent launch (``decode_step``, the skinny GEMVs, and a
         decoder shape the kernel serves)."""
-        return self._persistent_ws is not None and self.decode_step == "persistent" and self.decode_gemm == "skinny"
+        return (self._persistent_ws is not None and self.decode_step == "persistent" and self.decode_gemm == "skinny"
+                and not self.batch_invariant)
 
     def _persistent_step_fits(self, batch: int) -> bool:
         """Whether a decode step of ``batch`` rows runs as one persistent launch."""
@@ -559,7 +567,7 @@ class FastGlmAsrModel:
     def _fused_step_fits(self, batch: int) -> bool:
         """Whether a decode step of ``batch`` rows runs the fused chain (``fused_decode``, the skinny GEMMs, and
         a skinny config for each of the layer's four shapes at this row count)."""
-        if not self.fused_decode or self.decode_gemm != "skinny":
+        if not self.fused_decode or self.decode_gemm != "skinny" or self.batch_invariant:
             return False
         from glmasr_kernels.skinny_gemm import select
 
@@ -598,7 +606,12 @@ class FastGlmAsrModel:
         return rms_norm(res, self.final_norm, eps).view(b, 1, hidden)
 
     def _decode_linears(self, prefill: bool):
-        """(linear, linear_swiglu) for this call: cuBLAS (+ the SwiGLU kernel), or the skinny GEMV kernels."""
+        """(linear, linear_swiglu) for this call: cuBLAS (+ the SwiGLU kernel), or the skinny GEMV kernels (their
+        batch-invariant dispatchers with ``batch_invariant``, whatever ``decode_gemm`` says)."""
+        if self.batch_invariant and not prefill:
+            from glmasr_kernels import skinny_gemm
+
+            return skinny_gemm.linear_invariant, skinny_gemm.linear_swiglu_invariant
         if self.decode_gemm == "skinny" and not prefill:
             from glmasr_kernels import skinny_gemm
 

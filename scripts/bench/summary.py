@@ -42,7 +42,7 @@ def fmt(v, spec=".1f", unit=""):
 def benchmark_rows(path: Path) -> list[tuple[str, str]]:
     r = json.loads(path.read_text())
     rows = []
-    done = [s for s in ("latency", "decode", "encoder", "throughput", "breakdown", "coldstart") if s in r]
+    done = [s for s in ("latency", "decode", "encoder", "throughput", "breakdown", "invariant", "coldstart") if s in r]
     failed = [s for s in done if isinstance(r[s], dict) and "error" in r[s]]
     rows.append((f"{path.parent.name}/{path.name}: sections",
                  ", ".join(done) + (f"; failed: {', '.join(failed)}" if failed else "")
@@ -69,6 +69,14 @@ def benchmark_rows(path: Path) -> list[tuple[str, str]]:
                      f"{fmt(bd['decode_step_graph_ms'].get('default'), '.3f')} / "
                      f"{fmt(bd['decode_step_graph_ms'].get('chain'), '.3f')} / "
                      f"{fmt(bd['decode_step_graph_ms'].get('chain, no PDL'), '.3f')}"))
+    if isinstance(r.get("invariant"), list):
+        by_case = {}
+        for row in r["invariant"]:
+            by_case.setdefault(row["case"], {})[row["batch_invariant"]] = row
+        for case, pair in by_case.items():
+            def show(row):
+                return "-" if row is None else (f"{row['ms']:.3f} ms" + (f" (RTFx {row['RTFx']:.0f})" if "RTFx" in row else ""))
+            rows.append((f"batch invariant off / on: {case}", f"{show(pair.get(False))} / {show(pair.get(True))}"))
     cs = r.get("coldstart")
     if isinstance(cs, dict) and "cases" in cs:
         for c in cs["cases"]:
