@@ -21,6 +21,7 @@ from .config import GlmAsrConfig
 from .device import resolve_device, resolve_dtype
 from .engine.engine import Engine
 from .engine.loop import EngineLoop
+from .engine.model_runner import check_batch_invariance
 from .models.glmasr import GlmAsrModel
 from .options import DecodeOptions, EngineOptions
 from .pipeline import plan_audio, plan_pieces
@@ -45,6 +46,7 @@ class GlmAsr:
         # built in the background (load), the build, joined on first use
         self._frontend = frontend
         self.options = (options or EngineOptions()).resolved(model.device.type)
+        check_batch_invariance(model, self.options)
         self.load_timings = load_timings or {}
         self._engine: Engine | None = None
         self._loop: EngineLoop | None = None
@@ -87,6 +89,7 @@ class GlmAsr:
     def reconfigure(self, **options) -> None:
         """New engine options (e.g. ``max_batch``): waits for the requests in hand, then rebuilds the engine."""
         new = dataclasses.replace(self.options, **options).resolved(self.device.type)
+        check_batch_invariance(self.model, new)
         if new == self.options:
             return
         self.close()

@@ -169,7 +169,7 @@ def section_decode(asr, peaks, quick):
     return rows
 
 
-def section_invariant(asr, quick):
+def section_invariant(asr):
     """What ``EngineOptions.batch_invariant`` costs, against the default in the same run: ms per decode step at
     batch 1 and 8 (context 512), the 3.5 s clip with 13 tokens, and the 300 mixed clips of 1-30 s (a second call
     in each mode, so neither pays for the other's graph captures)."""
@@ -856,7 +856,7 @@ def main():
                 "coldstart": lambda: section_coldstart(folder),
                 "firstcall": lambda: section_firstcall(folder),
                 "breakdown": lambda: section_breakdown(asr, peaks),
-                "invariant": lambda: section_invariant(asr, args.quick),
+                "invariant": lambda: section_invariant(asr),
                 "serve": lambda: section_serve(asr, folder, args.quick, out),
                 "longform": lambda: section_longform(asr, args.quick, out)}
     for name in SECTIONS:

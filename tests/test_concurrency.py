@@ -96,6 +96,31 @@ def test_batch_invariant_engine_on_the_cpu(tiny_shipped):
         asr.close()
 
 
+def test_batch_invariance_is_refused_where_it_cannot_hold(tiny_shipped):
+    """On CUDA the mode needs the Triton decoder; the plain path's cuBLAS GEMMs cannot give it: a clear error at
+    load (and at reconfigure), never a mode that silently is not one. Tested through the check itself on a stand-in
+    CUDA model, so it runs on the CPU too."""
+    from types import SimpleNamespace
+
+    from glmasr.engine.model_runner import check_batch_invariance
+    from glmasr.options import EngineOptions
+
+    plain_cuda = SimpleNamespace(device=torch.device("cuda"))
+    with pytest.raises(ValueError, match="batch_invariant=True needs the Triton decoder path on CUDA"):
+        check_batch_invariance(plain_cuda, EngineOptions(batch_invariant=True))
+    check_batch_invariance(plain_cuda, EngineOptions())
+    check_batch_invariance(SimpleNamespace(device=torch.device("cuda"), uses_triton=True),
+                           EngineOptions(batch_invariant=True))
+    check_batch_invariance(SimpleNamespace(device=torch.device("cpu")), EngineOptions(batch_invariant=True))
+    if CUDA:
+        with pytest.raises(ValueError, match="needs the Triton decoder path"):
+            glmasr.load(tiny_shipped, device="cuda", backend="torch", batch_invariant=True)
+        asr = glmasr.load(tiny_shipped, device="cuda", backend="torch")
+        with pytest.raises(ValueError, match="needs the Triton decoder path"):
+            asr.reconfigure(batch_invariant=True)
+        asr.close()
+
+
 def test_asyncio_callers_get_what_they_would_get_alone(shared):
     alone = sequential(shared)
 

@@ -41,6 +41,15 @@ CAPTURE_STEPS = 4
 MIN_CAPACITY = {"cuda": 1024, "cpu": 256}
 
 
+def check_batch_invariance(model, options) -> None:
+    """ValueError when ``options.batch_invariant`` asks for what this model cannot give: on CUDA the mode needs
+    the Triton decoder path (the plain path's cuBLAS GEMMs pick their algorithms by the number of rows)."""
+    if options.batch_invariant and model.device.type == "cuda" and not getattr(model, "uses_triton", False):
+        raise ValueError("batch_invariant=True needs the Triton decoder path on CUDA (backend='triton'): this "
+                         "model's decoder runs on the plain PyTorch path, whose cuBLAS GEMMs pick their "
+                         "algorithms by the number of rows")
+
+
 def bucket(n: int, buckets) -> int:
     for b in buckets:
         if b >= n:
@@ -92,6 +101,7 @@ class ModelRunner:
         # have set its own), so a graph is captured in this runner's mode.
         self.batch_invariant = options.batch_invariant
         self._model_has_mode = hasattr(model, "batch_invariant")
+        check_batch_invariance(model, options)
         self._use_mode()
         self.prefill_graphs = options.prefill_graphs and self.use_graphs
         self.max_positions = cfg.max_position_embeddings
