@@ -79,8 +79,9 @@ class EngineOptions:
     # Batch invariance: every request gets bit for bit what it would get alone, whatever runs beside it. Off, the
     # bf16 kernels pick their configs (and cuBLAS its algorithms) by the number of rows in a call, so a
     # near-tie between two tokens can go either way with the load. On: the encoder and its frontend run one
-    # window per call, each prompt is prefilled alone on one path, and the decode step runs row-count-independent
-    # kernels (glmasr/models/fast.py: ``batch_invariant``). The cost is measured (benchmark.sh --only invariant).
+    # window per call, each prompt is prefilled alone on the path its own length picks, and the decode step runs
+    # row-count-independent kernels (glmasr/models/fast.py: ``batch_invariant``). The cost is measured
+    # (benchmark.sh --only invariant).
     batch_invariant: bool = False
 
     def __post_init__(self):

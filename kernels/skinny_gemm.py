@@ -479,9 +479,8 @@ def invariant_config(n: int, k: int, swiglu: bool = False) -> SkinnyConfig:
     """The one config of the batch-invariant dispatchers for W (n, k): the 16-row one (tensor cores, x padded to
     16 rows for every M)."""
     cfg = kernel_config(MAX_M, n, k, swiglu)
-    if not cfg.use_dot:  # a hand-written table entry could say FMA; its BLOCK_M would follow M
-        cfg = dataclasses.replace(_heuristic(MAX_M, n // 2 if swiglu else n, k, swiglu), use_dot=True)
-    return cfg
+    # a table entry could say FMA (its BLOCK_M would follow M): the heuristic at 16 rows is always the dot path
+    return cfg if cfg.use_dot else _heuristic(MAX_M, n // 2 if swiglu else n, k, swiglu)
 
 
 # ------------------------------------------------------------------------------------------------ launchers
@@ -661,8 +660,11 @@ def _invariant(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, swigl
     m = x2.shape[0]
     if m <= MAX_M:
         return _launch(x, w, out, cfg, None, swiglu)
+    oshape = (*x.shape[:-1], n)
     if out is None:
-        out = torch.empty((*x.shape[:-1], n), device=x.device, dtype=x.dtype)
+        out = torch.empty(oshape, device=x.device, dtype=x.dtype)
+    elif tuple(out.shape) != oshape:  # the chunks below see only (16, n) views of it
+        raise ValueError(f"out must be {oshape} {x.dtype} on {x.device}, got {tuple(out.shape)}")
     out2 = out.view(m, n)
     for i in range(0, m, MAX_M):
         _launch(x2[i:i + MAX_M], w, out2[i:i + MAX_M], cfg, None, swiglu)

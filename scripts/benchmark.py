@@ -130,8 +130,8 @@ def section_latency(asr, peers, quick):
 
 
 def section_decode(asr, peaks, quick):
-    """ms per token at batch 1 for each context: the shipped step (persistent: one launch over all layers) and,
-    in the same run, the kernel chain it replaced."""
+    """ms per token at batch 1 for each context: the shipped step (the kernel chain) and, in the same run, the
+    opt-in persistent one (one launch over all layers)."""
     model = asr.model
     cfg = asr.config.text
     weight_bytes = sum(t.numel() * t.element_size() for lw in model.dec_layers
@@ -151,13 +151,7 @@ def section_decode(asr, peaks, quick):
                 # the timed steps write positions ctx-1 .. ctx+6: keep them inside the cache (8192 -> 8184)
                 ctx = min(ctx, runner.capacity - steps)
                 fill_decode_state(runner, cfg, ctx)
-
-                def run():
-                    runner.step_index.zero_()
-                    runner.positions.fill_(ctx - 1)
-                    runner.decode(1, ctx + steps, steps)
-
-                ms = sync_time(run, 2, 10) / steps
+                ms = sync_time(decode_round(runner, 1, ctx, steps), 2, 10) / steps
                 rows.append({"decode_step": kind, "context": ctx, "ms_per_token": ms, "floor_ms": floor_ms,
                              "pct_of_floor": 100 * floor_ms / ms, "read_floor_ms": read_floor_ms,
                              "pct_of_read_floor": 100 * read_floor_ms / ms if read_floor_ms else None})
@@ -178,18 +172,11 @@ def section_invariant(asr):
     steps, ctx = (2, 16) if SMOKE else (8, 512)
     reps = (1, 1) if SMOKE else (2, 10)  # warm-up and timed calls (the smoke run only checks the plumbing)
     for invariant in (False, True):
-        runner = Engine(model, max_batch=2 if SMOKE else 8, batch_invariant=invariant).runner
-        with torch.inference_mode():
-            runner.ensure_capacity(ctx + steps)
+        runner = decode_runner(model, ctx + steps, max_batch=2 if SMOKE else 8, batch_invariant=invariant)
         fill_decode_state(runner, cfg, ctx)
         for b in ((1, 2) if SMOKE else (1, 8)):
-            def run():
-                runner.step_index.zero_()
-                runner.positions.fill_(ctx - 1)
-                runner.decode(b, ctx + steps, steps)
-
             rows.append({"batch_invariant": invariant, "case": f"decode step, batch {b}, context {ctx}",
-                         "ms": sync_time(run, *reps) / steps})
+                         "ms": sync_time(decode_round(runner, b, ctx, steps), *reps) / steps})
             print(rows[-1], flush=True)
         del runner
     short, short_tokens = clip(3.5), (2 if SMOKE else 13)
@@ -228,12 +215,24 @@ def persistent_configs(model, ctx: int = 64) -> dict:
                          log=lambda *a: print(*a, flush=True))
 
 
-def decode_runner(model, capacity: int, **options):
-    """The device side of a one-slot engine with a KV cache of ``capacity`` positions, for timing decode steps."""
-    runner = Engine(model, max_batch=1, **options).runner
+def decode_runner(model, capacity: int, max_batch: int = 1, **options):
+    """The device side of an engine of ``max_batch`` slots (default one) with a KV cache of ``capacity``
+    positions, for timing decode steps."""
+    runner = Engine(model, max_batch=max_batch, **options).runner
     with torch.inference_mode():
         runner.ensure_capacity(capacity)
     return runner
+
+
+def decode_round(runner, batch: int, ctx: int, steps: int):
+    """A callable for the timers: ``steps`` decode steps of slots [0, batch) from position ctx - 1 (the state
+    ``fill_decode_state`` left), the step counter and positions reset first so every call does the same work."""
+    def run():
+        runner.step_index.zero_()
+        runner.positions.fill_(ctx - 1)
+        runner.decode(batch, ctx + steps, steps)
+
+    return run
 
 
 def fill_decode_state(runner, cfg, ctx: int) -> None:
@@ -487,15 +486,10 @@ def section_breakdown(asr, peaks):
     cfg = asr.config.text
     ctx = 64
 
-    def step_ms(runner, steps=1 if SMOKE else 8):
+    def step_ms(runner, batch=1, steps=1 if SMOKE else 8):
         fill_decode_state(runner, cfg, ctx)
-
-        def run():
-            runner.step_index.zero_()
-            runner.positions.fill_(ctx - 1)
-            runner.decode(1, ctx + 1, steps)
-
-        return (sync_time(run, 0, 1) if SMOKE else sync_time(run, 2, 10)) / steps, run
+        run = decode_round(runner, batch, ctx, steps)
+        return (sync_time(run, 0, 1) if SMOKE else sync_time(run, 2, 10)) / steps
 
     from glmasr_kernels import skinny_gemm
 
@@ -523,20 +517,11 @@ def section_breakdown(asr, peaks):
             if saved_gemm is not None:
                 model.decode_gemm, model.fused_decode, model.decode_step = gemm, fused, step
             runner = decode_runner(model, 1024 if SMOKE else 4096)
-            variants[label], _ = step_ms(runner)
+            variants[label] = step_ms(runner)
             del runner
             if label in ("default", "fused chain"):
-                runner = Engine(model, max_batch=8).runner
-                with torch.inference_mode():
-                    runner.ensure_capacity(1024 if SMOKE else 4096)
-                fill_decode_state(runner, cfg, ctx)
-
-                def run8():
-                    runner.step_index.zero_()
-                    runner.positions.fill_(ctx - 1)
-                    runner.decode(8, ctx + 1, 8)
-
-                variants[label + ", batch 8"] = (sync_time(run8, 0, 1) if SMOKE else sync_time(run8, 2, 10)) / 8
+                runner = decode_runner(model, 1024 if SMOKE else 4096, max_batch=8)
+                variants[label + ", batch 8"] = step_ms(runner, batch=8, steps=8)
                 del runner
     finally:
         _triton_utils.set_pdl(None)
@@ -546,14 +531,8 @@ def section_breakdown(asr, peaks):
     report["decode_step_graph_ms"] = variants
     report["persistent_configs"] = persistent_configs(model, ctx)
     runner = decode_runner(model, 1024 if SMOKE else 4096, cuda_graphs=False)
-    step_ms(runner, 1)
-
-    def eager_step():
-        runner.step_index.zero_()
-        runner.positions.fill_(ctx - 1)
-        runner.decode(1, ctx + 1, 1)
-
-    report["decode_step_kernels"] = kernel_stages(eager_step, 1 if SMOKE else 5)
+    step_ms(runner, steps=1)
+    report["decode_step_kernels"] = kernel_stages(decode_round(runner, 1, ctx, 1), 1 if SMOKE else 5)
     del runner
     print({"decode_step_graph_ms": variants}, report["decode_step_kernels"], flush=True)
 

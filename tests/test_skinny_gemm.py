@@ -267,6 +267,10 @@ def test_batch_invariant_dispatchers_small(swiglu):
     """Any row count (past 16: the kernel 16 rows at a time): a row's output never depends on the others."""
     assert invariant_config(37, 96, swiglu).use_dot
     _invariance(37, 96, swiglu, (2, 5, 16, 21, 40))
+    fn = linear_swiglu_invariant if swiglu else linear_invariant
+    w = gen(74 if swiglu else 37, 96, scale=96 ** -0.5)
+    with pytest.raises(ValueError, match=r"out must be \(21, 37\)"):  # same element count, other shape
+        fn(gen(21, 96), w, out=poisoned(37, 21))
 
 
 def test_batch_invariant_dispatchers_fp32():

@@ -50,6 +50,13 @@ def check_batch_invariance(model, options) -> None:
                          "algorithms by the number of rows")
 
 
+def _joined(picks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, log-probabilities) of several prefill passes, concatenated in pass order."""
+    if len(picks) == 1:
+        return picks[0]
+    return torch.cat([p[0] for p in picks]), torch.cat([p[1] for p in picks])
+
+
 def bucket(n: int, buckets) -> int:
     for b in buckets:
         if b >= n:
@@ -95,12 +102,11 @@ class ModelRunner:
         self.buckets = tuple(b for b in BATCH_BUCKETS if b < n) + (n,)
         self.use_graphs = options.cuda_graphs and self.device.type == "cuda"
         # Batch invariance (EngineOptions.batch_invariant): one window per encoder call, one prompt per prefill
-        # pass on a path its own length chooses (``_prefill_alone``), and
-        # the model's row-count-independent decode kernels: the model's flag, which this runner sets before each of
-        # its prefills, decode rounds and dry passes (another engine on the same model, e.g. a benchmark's, may
-        # have set its own), so a graph is captured in this runner's mode.
+        # pass on a path its own length chooses (``_prefill_alone``), and the model's row-count-independent
+        # decode kernels, switched by the model's flag. This runner sets the flag before each of its prefills,
+        # decode rounds and dry passes (another engine on the same model, e.g. a benchmark's, may have set its
+        # own), so its graphs are captured in its own mode.
         self.batch_invariant = options.batch_invariant
-        self._model_has_mode = hasattr(model, "batch_invariant")
         check_batch_invariance(model, options)
         self._use_mode()
         self.prefill_graphs = options.prefill_graphs and self.use_graphs
@@ -150,7 +156,7 @@ class ModelRunner:
         return self._frontend
 
     def _use_mode(self) -> None:
-        if self._model_has_mode:
+        if hasattr(self.model, "batch_invariant"):  # the plain model has no such switch
             self.model.batch_invariant = self.batch_invariant
 
     # ---- encoder ----
@@ -231,9 +237,7 @@ class ModelRunner:
         longest = max(lengths)
         bkt = bucket(longest, PREFILL_BUCKETS)
         if self.batch_invariant:
-            picks = [self._prefill_alone(e, n, s) for e, n, s in zip(embeds, lengths, slots)]
-            first = torch.cat([p[0] for p in picks]) if len(picks) > 1 else picks[0][0]
-            first_logprob = torch.cat([p[1] for p in picks]) if len(picks) > 1 else picks[0][1]
+            first, first_logprob = _joined([self._prefill_alone(e, n, s) for e, n, s in zip(embeds, lengths, slots)])
         elif self.prefill_graphs and len(embeds) == 1 and longest <= bkt <= self.capacity:
             first, first_logprob = self._graphed_prefill(bkt, embeds[0], lengths[0], slots[0])
         elif self.packed_prefill:
@@ -242,10 +246,9 @@ class ModelRunner:
         else:
             groups = length_groups(lengths)
             self.stats["prefills_padded"] += len(groups)
-            picks = [self._padded_prefill([slots[i] for i in g], [embeds[i] for i in g], [lengths[i] for i in g])
-                     for g in groups]
-            first = torch.cat([p[0] for p in picks]) if len(picks) > 1 else picks[0][0]
-            first_logprob = torch.cat([p[1] for p in picks]) if len(picks) > 1 else picks[0][1]
+            first, first_logprob = _joined([
+                self._padded_prefill([slots[i] for i in g], [embeds[i] for i in g], [lengths[i] for i in g])
+                for g in groups])
             order = [i for g in groups for i in g]  # the order of ``first``: the slots' state follows it
             slots, lengths = [slots[i] for i in order], [lengths[i] for i in order]
             budgets, ignore_eos = [budgets[i] for i in order], [ignore_eos[i] for i in order]

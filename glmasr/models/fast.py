@@ -608,13 +608,11 @@ class FastGlmAsrModel:
     def _decode_linears(self, prefill: bool):
         """(linear, linear_swiglu) for this call: cuBLAS (+ the SwiGLU kernel), or the skinny GEMV kernels (their
         batch-invariant dispatchers with ``batch_invariant``, whatever ``decode_gemm`` says)."""
-        if self.batch_invariant and not prefill:
+        if not prefill and (self.batch_invariant or self.decode_gemm == "skinny"):
             from glmasr_kernels import skinny_gemm
 
-            return skinny_gemm.linear_invariant, skinny_gemm.linear_swiglu_invariant
-        if self.decode_gemm == "skinny" and not prefill:
-            from glmasr_kernels import skinny_gemm
-
+            if self.batch_invariant:
+                return skinny_gemm.linear_invariant, skinny_gemm.linear_swiglu_invariant
             return skinny_gemm.linear, skinny_gemm.linear_swiglu
         return F.linear, lambda x, w: swiglu(F.linear(x, w))
 
