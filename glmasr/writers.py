@@ -7,18 +7,51 @@
 - json: the text, duration, finish reason and the segments (id, start, end, text, tokens, finish_reason,
   compression_ratio, avg_logprob: the mean log-probability of the segment's tokens, ``Segment.avg_logprob``).
 
-In srt and vtt a ``-->`` inside the text becomes ``->`` (it would end the timing line of a cue), and segments with
-no text get no cue. Times are rounded to the millisecond. Segment times are what the result has: today one
-segment per prompt (window group), so cues span whole 30 s windows.
+Times are rounded to the millisecond. Segment times are what the result has: today one segment per prompt (window
+group), so cues span whole 30 s windows.
+
+Text, so that third-party readers (players, ffmpeg, subtitle and TSV libraries) give back what we meant:
+
+- every format: a lone surrogate (U+D800..U+DFFF, not encodable as UTF-8) becomes U+FFFD. json writes the texts
+  otherwise as they are (it escapes control characters itself).
+- txt, srt, vtt and tsv make each text one line: line breaks (CR, LF, CRLF, and the others ``str.splitlines``
+  breaks at: VT, FF, FS, GS, RS, NEL, U+2028, U+2029) cut it into pieces; control characters (C0 other than tab,
+  DEL, C1) and Unicode noncharacters (U+FDD0..U+FDEF, the last two code points of every plane) are removed; each
+  piece is stripped (``str.strip``) and the non-empty ones are joined by one space. So no cue holds an empty line
+  (which ends the cue), a NUL (after which ffmpeg dropped every later cue), a U+FFFE (ffmpeg drops the cue) or a
+  bare CR. The text's own line breaks are not kept: a segment of speech has no line structure, and readers
+  disagree on them (pysubs2 drops a cue's last line when it is a bare number, taking it for the next cue's).
+- srt and vtt: ``-->`` becomes ``->`` until none is left (so does any run of two or more hyphens before ``>``): it
+  would end the timing line of a cue. A segment whose text is then empty gets no cue. Tabs stay.
+- vtt: ``&``, ``<`` and ``>`` are written ``&amp;``, ``&lt;`` and ``&gt;``: WebVTT readers decode these, and no text
+  reads as a tag. A cue is one line (ffmpeg reads long vtt lines whole).
+- srt has no escapes, and its readers (ffmpeg, players, pysubs2) take ``<...>`` for a formatting tag and drop it: a
+  ``<`` with a ``>`` after it in the cue becomes ``‹`` (U+2039); other ``<`` stay. A cue longer than
+  ``SRT_LINE_CHARS`` (1000) characters is broken into lines: at the last space within the first 1000 characters
+  (the space goes), after the 1000th where there is none, then the same on the rest; each line is stripped, empty
+  ones dropped. ffmpeg (so mpv and other players built on it) cuts an srt line at 4095 bytes and drops the whole
+  cue when the cut splits a UTF-8 character, and a segment holds up to 21 windows (630 s) of speech.
+- left as they are in srt and vtt, as neither format can escape them, and read otherwise by some readers:
+  backslashes and braces (ffmpeg and libass players read the text as ASS: ``\\N`` or ``\\n`` as a line break,
+  ``{...}`` as an override block); two timestamps in one line (pysubs2 takes it for a timing line: srt.parse,
+  webvtt-py and ffmpeg do not); the last line of a broken srt cue when it is a bare number (pysubs2 drops it).
+- tsv: tabs become spaces (the text is the last column, so it holds no tab or line break), and a text that starts
+  with ``"`` gets one space in front: readers that take a leading quote for CSV quoting (Python's ``csv`` and
+  pandas with their defaults, spreadsheets) would otherwise join the following rows into that field. No other
+  quoting: read it as plain TSV (``csv.reader(f, delimiter="\\t")``, with or without ``quoting=csv.QUOTE_NONE``).
+  A segment with empty text keeps its row.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 from .results import Transcription
 
 FORMATS = ("txt", "srt", "vtt", "tsv", "json")
+# longest srt cue line, in characters: at most 4000 bytes as UTF-8, under the 4095 at which ffmpeg cuts
+SRT_LINE_CHARS = 1000
 
 
 def timestamp(seconds: float, decimal: str = ",", always_hours: bool = True) -> str:
@@ -32,39 +65,82 @@ def timestamp(seconds: float, decimal: str = ",", always_hours: bool = True) -> 
     return f"{head}{minutes:02d}:{secs:02d}{decimal}{ms:03d}"
 
 
+_SURROGATES = re.compile("[\ud800-\udfff]")
+# CR, LF (so CRLF too) and the other characters str.splitlines breaks at: a reader may break a line at any of them
+_LINE_BREAKS = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+_NONCHARACTERS = "\ufdd0-\ufdef" + "".join(chr(plane + 0xFFFE) + chr(plane + 0xFFFF)
+                                             for plane in range(0, 0x110000, 0x10000))
+# C0 but tab (line breaks are split off first), DEL, C1, noncharacters
+_REMOVED = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f" + _NONCHARACTERS + "]")
+_ARROW = re.compile("-{2,}>")
+
+
+def _encodable(text: str) -> str:
+    return _SURROGATES.sub("\ufffd", text)
+
+
+def _one_line(text: str) -> str:
+    """``text`` as one line: no line break, no control character, no surrounding whitespace (module docstring)."""
+    pieces = (_REMOVED.sub("", piece).strip() for piece in _LINE_BREAKS.split(_encodable(text)))
+    return " ".join(piece for piece in pieces if piece)
+
+
 def _cue_text(text: str) -> str:
-    return text.replace("-->", "->")
+    return _ARROW.sub("->", _one_line(text))
+
+
+def _srt_text(text: str) -> str:
+    cue = _cue_text(text)
+    last = cue.rfind(">")
+    if last > 0:  # only a "<" with a ">" after it can open a tag
+        cue = cue[:last].replace("<", "\u2039") + cue[last:]
+    lines = []
+    while len(cue) > SRT_LINE_CHARS:
+        cut = cue.rfind(" ", 0, SRT_LINE_CHARS + 1)
+        head, cue = (cue[:cut], cue[cut + 1:]) if cut > 0 else (cue[:SRT_LINE_CHARS], cue[SRT_LINE_CHARS:])
+        lines.append(head.strip())
+        cue = cue.strip()
+    lines.append(cue)
+    return "\n".join(line for line in lines if line)
+
+
+def _vtt_text(text: str) -> str:
+    return _cue_text(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _tsv_text(text: str) -> str:
+    line = _one_line(text).replace("\t", " ")
+    return " " + line if line.startswith('"') else line
 
 
 def to_txt(result: Transcription) -> str:
-    return result.text + "\n"
+    return _one_line(result.text) + "\n"
 
 
 def to_srt(result: Transcription) -> str:
-    cues = [s for s in result.segments if s.text.strip()]
-    return "".join(f"{i}\n{timestamp(s.start)} --> {timestamp(s.end)}\n{_cue_text(s.text.strip())}\n\n"
-                   for i, s in enumerate(cues, 1))
+    cues = [(s, text) for s in result.segments if (text := _srt_text(s.text))]
+    return "".join(f"{i}\n{timestamp(s.start)} --> {timestamp(s.end)}\n{text}\n\n"
+                   for i, (s, text) in enumerate(cues, 1))
 
 
 def to_vtt(result: Transcription) -> str:
-    cues = [s for s in result.segments if s.text.strip()]
-    body = "".join(f"{timestamp(s.start, '.', False)} --> {timestamp(s.end, '.', False)}\n"
-                   f"{_cue_text(s.text.strip())}\n\n" for s in cues)
+    cues = [(s, text) for s in result.segments if (text := _vtt_text(s.text))]
+    body = "".join(f"{timestamp(s.start, '.', False)} --> {timestamp(s.end, '.', False)}\n{text}\n\n"
+                   for s, text in cues)
     return "WEBVTT\n\n" + body
 
 
 def to_tsv(result: Transcription) -> str:
     rows = ["start\tend\ttext"]
     for s in result.segments:
-        text = s.text.strip().replace("\t", " ").replace("\n", " ")
-        rows.append(f"{round(1000 * s.start)}\t{round(1000 * s.end)}\t{text}")
+        rows.append(f"{round(1000 * s.start)}\t{round(1000 * s.end)}\t{_tsv_text(s.text)}")
     return "\n".join(rows) + "\n"
 
 
 def to_json(result: Transcription) -> str:
     return json.dumps({
-        "text": result.text, "duration": result.duration_s, "finish_reason": result.finish_reason,
-        "segments": [{"id": s.id, "start": s.start, "end": s.end, "text": s.text, "tokens": s.token_ids,
+        "text": _encodable(result.text), "duration": result.duration_s, "finish_reason": result.finish_reason,
+        "segments": [{"id": s.id, "start": s.start, "end": s.end, "text": _encodable(s.text), "tokens": s.token_ids,
                       "finish_reason": s.finish_reason, "compression_ratio": s.compression_ratio,
                       "avg_logprob": s.avg_logprob}
                      for s in result.segments],
