@@ -1,6 +1,8 @@
 """Command line: ``glmasr AUDIO...`` (installed console command) and ``python demo.py``; ``glmasr serve ...``
 starts the OpenAI-compatible server (``glmasr.server.cli``), ``glmasr transcribe FILES_OR_DIRS...`` writes
-transcripts and subtitles (``glmasr.transcribe_cli``). A file named ``serve`` or ``transcribe`` is ``./serve``."""
+transcripts and subtitles (``glmasr.transcribe_cli``). A file named ``serve`` or ``transcribe`` is ``./serve``.
+``glmasr --help`` lists the commands; ``glmasr serve`` without the ``serve`` extra exits with status 2 and names
+``pip install 'glmasr[serve]'``."""
 
 from __future__ import annotations
 
@@ -9,6 +11,15 @@ import sys
 import time
 from pathlib import Path
 
+# What `glmasr serve` imports that only the serve extra installs.
+_SERVE_MODULES = {"fastapi", "starlette", "uvicorn", "multipart", "python_multipart", "prometheus_client"}
+_COMMANDS = """commands:
+  glmasr [AUDIO ...] [options]           print the text of files and the stage timings (options below)
+  glmasr transcribe FILES_OR_DIRS ...    write txt/srt/vtt/tsv/json files for files and folders
+                                         (glmasr transcribe --help)
+  glmasr serve [options]                 OpenAI-compatible server (needs: pip install 'glmasr[serve]';
+                                         glmasr serve --help)"""
+
 # Overrides (tests): the tiny-random checkpoint folder (default: the user cache, glmasr.resources.cache_dir())
 # and the one local real-weights folder to look at (default: resources.local_weights_candidates()).
 TINY_RANDOM: Path | None = None
@@ -16,17 +27,14 @@ LOCAL_WEIGHTS: Path | None = None
 
 
 def _pick_model(arg: str | None) -> str:
+    """The --model argument -> what ``glmasr.load`` gets: ``tiny-random`` built now (saying so on stderr; a
+    CheckpointError if the cache cannot be written), a given value as it is, by default the local weights folder
+    if there is one, else the hub id."""
     from . import resources
-    from .weights import DEFAULT_MODEL_ID
+    from .weights import DEFAULT_MODEL_ID, TINY_RANDOM as TINY_NAME, tiny_random_checkpoint
 
-    if arg == "tiny-random":
-        from .random_checkpoint import ensure_tiny_checkpoint
-
-        try:
-            return str(ensure_tiny_checkpoint(TINY_RANDOM, log=lambda msg: print(msg, file=sys.stderr)))
-        except OSError as e:
-            raise ValueError(f"cannot build the tiny random checkpoint ({e}); set GLMASR_CACHE_DIR to a writable "
-                             "folder") from e
+    if arg == TINY_NAME:
+        return str(tiny_random_checkpoint(TINY_RANDOM, log=lambda msg: print(msg, file=sys.stderr)))
     if arg is not None:
         return arg
     for folder in [LOCAL_WEIGHTS] if LOCAL_WEIGHTS is not None else resources.local_weights_candidates():
@@ -35,17 +43,61 @@ def _pick_model(arg: str | None) -> str:
     return DEFAULT_MODEL_ID
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count flag: an integer >= 1, else a message naming the value."""
+    return int_at_least(1)(text)
+
+
+def int_at_least(low: int):
+    """argparse type: an integer >= ``low`` (flags refuse a nonsensical count when they are parsed, not later)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """argparse type of a duration flag: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _serve(args: list[str]) -> int:
+    try:
+        from .server.cli import main as serve
+    except ImportError as e:
+        if (e.name or "").split(".")[0] not in _SERVE_MODULES:
+            raise
+        print(f"error: `glmasr serve` needs the serve extra, which is not installed (no module {e.name!r}): "
+              f"pip install 'glmasr[serve]'", file=sys.stderr)
+        return 2
+    return serve(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] == "serve":
-        from .server.cli import main as serve
-
-        return serve(args[1:])
+        return _serve(args[1:])
     if args and args[0] == "transcribe":
         from .transcribe_cli import main as transcribe_files
 
         return transcribe_files(args[1:])
-    parser = argparse.ArgumentParser(description="Transcribe speech with GLM-ASR-Nano-2512.")
+    parser = argparse.ArgumentParser(
+        prog="glmasr", usage="glmasr [AUDIO ...] [options]  |  glmasr transcribe ...  |  glmasr serve ...",
+        description="Transcribe speech with GLM-ASR-Nano-2512.\n\n" + _COMMANDS,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("audio", nargs="*",
                         help="audio files (wav, flac, ogg, mp3); default: the shipped sample speech_en.flac")
     parser.add_argument("--model", default=None,
@@ -55,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on cuda, fp32 on cpu)")
     parser.add_argument("--prompt", default=None, help="instruction text (default: the model's transcription prompt)")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="token budget per 30 s-window group")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
+                        help="token budget per 30 s-window group (default grows with the duration)")
     args = parser.parse_args(argv)
 
     import glmasr

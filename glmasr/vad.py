@@ -27,6 +27,11 @@ Long recordings can be split into ``streams`` contiguous pieces that run as one 
 the state handed from each piece to the next over a few passes (see ``speech_probabilities``).
 ``speech_regions`` turns probabilities into speech regions (hysteresis, minimum speech and silence durations,
 padding), ``merge_regions`` regions into pieces of at most 30 s for the engine, ``segment`` does both.
+
+``cancel`` (a ``threading.Event``, optional in ``speech_probabilities``, ``speech_regions`` and ``segment``): once
+set, the computation stops at its next check (every front-end chunk, pass, and ``_CANCEL_EVERY`` recurrence steps
+on the CPU) with ``VadCancelled``, so a program that runs VAD on worker threads (``glmasr transcribe``) can stop
+them within a fraction of a second instead of waiting for a long recording's recurrence to end.
 """
 
 from __future__ import annotations
@@ -59,10 +64,21 @@ DEFAULT_WARMUP_S = 2.0
 DEFAULT_TOL = 1e-3
 # Front end (STFT + encoder convs) batch, in windows: bounds its intermediate memory (~8 KiB per window).
 _FRONT_END_CHUNK = 8192
+# Steps of the CPU recurrence between two looks at ``cancel`` (~0.1 s of work on a small CPU).
+_CANCEL_EVERY = 64
 
 
 class VadUnavailableError(ImportError):
     """The ``silero-vad`` wheel (the source of the weights) is not installed."""
+
+
+class VadCancelled(RuntimeError):
+    """The ``cancel`` event was set while the probabilities were being computed."""
+
+
+def _check(cancel) -> None:
+    if cancel is not None and cancel.is_set():
+        raise VadCancelled("voice-activity detection cancelled")
 
 
 def _missing(detail: str) -> VadUnavailableError:
@@ -110,8 +126,10 @@ def load_weights(source: str = "jit") -> dict[str, torch.Tensor]:
     """
     if source == "jit":
         path = data_file(JIT_FILE)
-        with warnings.catch_warnings():  # torch 2.13 marks torch.jit.load deprecated (in favour of torch.export)
-            warnings.simplefilter("ignore", DeprecationWarning)
+        with warnings.catch_warnings():
+            # torch marks torch.jit.load deprecated in favour of torch.export: a DeprecationWarning in 2.11-2.13,
+            # a FutureWarning (which Python shows by default) in 2.14 and 2.15; silenced by its text, any category
+            warnings.filterwarnings("ignore", message=r"`torch\.jit\.load` is", category=Warning)
             state = torch.jit.load(str(path), map_location="cpu")._model.state_dict()
         missing = sorted(v for v in _JIT_NAMES.values() if v not in state)
         if missing:
@@ -268,7 +286,7 @@ def _auto_streams(n_windows: int) -> int:
 @torch.inference_mode()
 def speech_probabilities(samples_16k, device=None, streams: int | None = None,
                          warmup_s: float = DEFAULT_WARMUP_S, passes: int | None = None,
-                         tol: float = DEFAULT_TOL) -> np.ndarray:
+                         tol: float = DEFAULT_TOL, cancel=None) -> np.ndarray:
     """Speech probability of every 512-sample window (32 ms) of a 16 kHz recording, as float32 (ceil(n / 512),).
 
     Window i covers samples [512 i, 512 (i + 1)) (the last one zero-padded) and sees the 64 samples before it
@@ -288,7 +306,8 @@ def speech_probabilities(samples_16k, device=None, streams: int | None = None,
     pass p > 1: stream k starts at its first window from the state stream k - 1 ended pass p - 1 with (a parareal
     iteration: after p passes streams 0 .. p - 1 are exact, so with ``streams`` passes the result is the
     single-stream one). With ``passes=None`` (default) the passes stop as soon as no probability changed by more
-    than ``tol`` (default 1e-3) from the pass before; an int runs exactly that many passes. Measured on 6 minutes
+    than ``tol`` (default 1e-3) from the pass before; an int runs exactly that many passes. ``cancel``: see the
+    module docstring (``VadCancelled``). Measured on 6 minutes
     of synthesized speech with 30 s streams: 8-9 passes, probabilities within ~1e-4 of the single stream's and the
     same regions; 3 passes give region boundaries within 0.032 s. The cost is passes x (recording / streams)
     sequential steps instead of the recording's length.
@@ -306,6 +325,7 @@ def speech_probabilities(samples_16k, device=None, streams: int | None = None,
     # Front end and the LSTM input projection for every window, in chunks.
     gates_x = torch.empty(n_win, 4 * STATE_SIZE, device=dev, dtype=torch.float32)
     for a in range(0, n_win, _FRONT_END_CHUNK):
+        _check(cancel)
         b = min(n_win, a + _FRONT_END_CHUNK)
         gates_x[a:b] = model.input_gates(model.encode(rows[a:b]))
 
@@ -321,14 +341,14 @@ def speech_probabilities(samples_16k, device=None, streams: int | None = None,
     length = math.ceil(n_win / s)  # windows each stream owns
     s = math.ceil(n_win / length)  # drop empty streams
     if s == 1:
-        hs, _ = _recurrence(model, gates_x.unsqueeze(1), None, None)
+        hs, _ = _recurrence(model, gates_x.unsqueeze(1), None, None, cancel)
         return model.decode(hs[:, 0]).float().cpu().numpy()
     warm = min(int(round(warmup_s / WINDOW_S)), length)
     owned = torch.arange(s, device=dev) * length
     # Pass 1: stream k runs from window k L - warm, from a zero state (stream 0's state is held at zero before the
     # recording starts, so it is the single-stream run).
     g, keep = _gather(gates_x, owned - warm, warm + length)
-    hs, (h, c) = _recurrence(model, g, keep, None)
+    hs, (h, c) = _recurrence(model, g, keep, None, cancel)
     probs = model.decode(hs[warm:])
     del g, hs
     # Later passes: stream k starts at its first window with the state stream k - 1 ended the previous pass with
@@ -339,7 +359,7 @@ def speech_probabilities(samples_16k, device=None, streams: int | None = None,
     for _ in range(limit - 1):
         h0 = torch.cat([torch.zeros_like(h[:1]), h[:-1]])
         c0 = torch.cat([torch.zeros_like(c[:1]), c[:-1]])
-        hs, (h, c) = _recurrence(model, g, None, (h0, c0))
+        hs, (h, c) = _recurrence(model, g, None, (h0, c0), cancel)
         new = model.decode(hs)
         change = float((new - probs).abs().max())
         probs = new
@@ -362,10 +382,12 @@ def _gather(gates_x: torch.Tensor, starts: torch.Tensor, steps: int):
 
 
 def _recurrence(model: SileroVad, g: torch.Tensor, keep: torch.Tensor | None,
-                state: tuple[torch.Tensor, torch.Tensor] | None):
+                state: tuple[torch.Tensor, torch.Tensor] | None, cancel=None):
     """The LSTM cell over ``g`` (steps, streams, 512) of input gates, all streams as one batch, from ``state``
     (default zeros); ``keep`` (from ``_gather``) zeroes the state of streams not yet in the recording. Returns the
-    hidden states (steps, streams, 128) and the final (h, c)."""
+    hidden states (steps, streams, 128) and the final (h, c). ``cancel``: looked at before the launch, and every
+    ``_CANCEL_EVERY`` steps of the torch loop."""
+    _check(cancel)
     steps, s, _ = g.shape
     if state is None:
         h = g.new_zeros(s, STATE_SIZE)
@@ -379,6 +401,8 @@ def _recurrence(model: SileroVad, g: torch.Tensor, keep: torch.Tensor | None,
     before = 0 if keep is None else keep.shape[0]
     hs = g.new_empty(steps, s, STATE_SIZE)
     for t in range(steps):
+        if t % _CANCEL_EVERY == 0:
+            _check(cancel)
         h, c = model.cell(g[t], h, c)
         if t < before:
             h = h * keep[t]
@@ -479,7 +503,7 @@ def regions_from_probabilities(probs: np.ndarray, n_samples: int | None = None, 
 
 def speech_regions(samples_16k, threshold: float = 0.5, min_speech_ms: float = 250, min_silence_ms: float = 500,
                    speech_pad_ms: float = 200, device=None, streams: int | None = None,
-                   neg_threshold: float | None = None) -> list[tuple[float, float]]:
+                   neg_threshold: float | None = None, cancel=None) -> list[tuple[float, float]]:
     """Speech regions ``[(start_s, end_s), ...]`` of a 16 kHz mono float recording, in order, not overlapping.
 
     A region starts at the first window whose probability is >= ``threshold``; it ends at a run of windows below
@@ -494,7 +518,7 @@ def speech_regions(samples_16k, threshold: float = 0.5, min_speech_ms: float = 2
     30, faster-whisper 400) so the onsets and offsets that 32 ms windows and the hysteresis clip stay in.
     """
     x = _as_samples(samples_16k)
-    probs = speech_probabilities(x, device=device, streams=streams)
+    probs = speech_probabilities(x, device=device, streams=streams, cancel=cancel)
     return regions_from_probabilities(probs, x.shape[0], threshold=threshold, neg_threshold=neg_threshold,
                                       min_speech_ms=min_speech_ms, min_silence_ms=min_silence_ms,
                                       speech_pad_ms=speech_pad_ms)
@@ -558,9 +582,10 @@ def merge_regions(regions, max_s: float = 30.0, probs: np.ndarray | None = None,
 
 
 def segment(samples_16k, max_s: float = 30.0, device=None, streams: int | None = None,
-            max_gap_s: float | None = None, **region_options) -> list[tuple[float, float]]:
-    """``speech_regions`` + ``merge_regions`` with one probability pass: pieces of at most ``max_s`` seconds."""
+            max_gap_s: float | None = None, cancel=None, **region_options) -> list[tuple[float, float]]:
+    """``speech_regions`` + ``merge_regions`` with one probability pass: pieces of at most ``max_s`` seconds.
+    ``cancel``: see the module docstring."""
     x = _as_samples(samples_16k)
-    probs = speech_probabilities(x, device=device, streams=streams)
+    probs = speech_probabilities(x, device=device, streams=streams, cancel=cancel)
     regions = regions_from_probabilities(probs, x.shape[0], **region_options)
     return merge_regions(regions, max_s=max_s, probs=probs, max_gap_s=max_gap_s)

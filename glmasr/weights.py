@@ -1,8 +1,10 @@
 """Finding a checkpoint and loading its tensors into our model.
 
 A checkpoint is a folder with ``config.json``, ``model.safetensors`` (or shards plus
-``model.safetensors.index.json``) and the tokenizer files. ``resolve_checkpoint`` accepts such a folder or a
-Hugging Face hub id (downloaded into the normal HF cache by ``huggingface_hub.snapshot_download``).
+``model.safetensors.index.json``) and the tokenizer files. ``resolve_checkpoint`` accepts such a folder, a
+Hugging Face hub id (downloaded into the normal HF cache by ``huggingface_hub.snapshot_download``), or the name
+``tiny-random``: a tiny random-weight checkpoint built once into the user cache (``random_checkpoint.py``), so
+every entry point (``glmasr.load``, the CLIs, the server, ``DevicePool``) accepts it.
 
 These key layouts are accepted and mapped onto our module names (``canonical_name``):
 - shipped (the Hub file; also what transformers 5.24 ``save_pretrained`` writes): ``audio_tower.*``,
@@ -37,6 +39,9 @@ import torch
 from .config import GlmAsrConfig
 
 DEFAULT_MODEL_ID = "zai-org/GLM-ASR-Nano-2512"
+# The name of the offline smoke-test checkpoint (random weights, built on first use); it is looked up before
+# folders, so a folder of that name is passed as ./tiny-random.
+TINY_RANDOM = "tiny-random"
 
 # (checkpoint prefix, our prefix); the first match wins, so a prefix comes before every shorter one it extends
 # ("language_model.model.model." before "language_model.model.").
@@ -71,8 +76,24 @@ def _looks_like_hub_id(s: str) -> bool:
     return len(parts) == 2 and all(parts) and not s.startswith((".", "/", "~")) and not os.path.exists(s)
 
 
-def resolve_checkpoint(model: str | os.PathLike) -> Path:
-    """Local folder for ``model``: the folder itself, or a hub snapshot (cached copy first, then network)."""
+def tiny_random_checkpoint(folder: str | os.PathLike | None = None, log=None) -> Path:
+    """The ``tiny-random`` checkpoint's folder (``random_checkpoint.ensure_tiny_checkpoint``: built on first use
+    into ``folder``, default the user cache; ``log(message)`` is called before a build). CheckpointError naming
+    GLMASR_CACHE_DIR when it cannot be written."""
+    from .random_checkpoint import ensure_tiny_checkpoint
+
+    try:
+        return ensure_tiny_checkpoint(folder, log=log)
+    except OSError as e:
+        raise CheckpointError(f"cannot build the tiny random checkpoint ({e}); set GLMASR_CACHE_DIR to a "
+                              f"writable folder") from None
+
+
+def resolve_checkpoint(model: str | os.PathLike, log=None) -> Path:
+    """Local folder for ``model``: ``tiny-random`` (built once, see ``tiny_random_checkpoint``; ``log`` as
+    there), the folder itself, or a hub snapshot (cached copy first, then network)."""
+    if isinstance(model, str) and model == TINY_RANDOM:
+        return tiny_random_checkpoint(log=log)
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -95,9 +116,10 @@ def resolve_checkpoint(model: str | os.PathLike) -> Path:
         raise CheckpointError(
             f"could not get {text!r} from the Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}).\n"
             f"No network and no cached copy? Pass a local checkpoint folder instead, e.g.\n"
-            f"  glmasr.load('/path/to/GLM-ASR-Nano-2512')   or   python demo.py --model /path/to/GLM-ASR-Nano-2512\n"
-            f"(download it elsewhere with `huggingface-cli download {text} --local-dir weights/GLM-ASR-Nano-2512`),\n"
-            f"or run offline with random weights: python demo.py --model tiny-random"
+            f"  glmasr --model /path/to/GLM-ASR-Nano-2512   or   glmasr.load('/path/to/GLM-ASR-Nano-2512')\n"
+            f"(download it where there is network with `hf download {text} --local-dir weights/GLM-ASR-Nano-2512`:\n"
+            f"glmasr finds that folder under the working directory by itself),\n"
+            f"or run offline with random weights: glmasr --model tiny-random"
         ) from None
 
 
@@ -226,9 +248,8 @@ def load_state_dict(folder: Path, model: torch.nn.Module, device: torch.device, 
 
     ``reader``: "chunked" streams the files in large chunks (``stream_tensors``): on CUDA through pinned
     staging buffers (several reads in flight, double-buffered non-blocking copies to the device); "safe_open"
-    reads tensor by tensor with safetensors. "auto" (the default; ``glmasr.load`` passes its ``weights_reader``
-    option, GLMASR_WEIGHTS_READER): chunked on
-    CUDA, safe_open on the CPU. Both give bit-identical tensors; casting to ``dtype`` happens on ``device``.
+    reads tensor by tensor with safetensors. "auto" (the default, what ``glmasr.load`` uses): chunked on CUDA,
+    safe_open on the CPU. Both give bit-identical tensors; casting to ``dtype`` happens on ``device``.
 
     ``timings``: if a dict is given, it is filled with ``weights_read_ms`` (host time reading file bytes:
     the chunked reads, or the whole safe_open loop), ``weights_to_device_ms`` (chunked: device time of the

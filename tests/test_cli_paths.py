@@ -1,6 +1,7 @@
 """Where the package finds its data (configs, sample audio), its caches and local weights, from a source checkout:
-imported in place (an editable install, or the checkout on PYTHONPATH as on the GPU machine). The installed
-wheel is tests/test_wheel.py."""
+imported in place (an editable install, or the checkout on PYTHONPATH as on the GPU machine); the name
+``tiny-random`` in every entry point; what ``glmasr --help``, ``glmasr serve`` without its extra and the offline
+hint tell a new user. The installed wheel is tests/test_wheel.py."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import pytest
 
 import glmasr
 from glmasr import cli, random_checkpoint, resources
+from glmasr.weights import CheckpointError, resolve_checkpoint
+
+from conftest import noise
 
 REPO = Path(__file__).resolve().parent.parent
 FROM_CHECKOUT = Path(glmasr.__file__).resolve().parent.parent == REPO
@@ -72,7 +76,7 @@ def test_tiny_random_is_built_into_the_cache_once(monkeypatch, tmp_path):
         return real_build(folder, *args, **kwargs)
 
     monkeypatch.setattr(random_checkpoint, "build_checkpoint", counting_build)
-    folder = Path(cli._pick_model("tiny-random"))
+    folder = resolve_checkpoint("tiny-random")  # where every entry point resolves a model (glmasr.load too)
     assert folder == tmp_path / "cache" / "tiny-random"
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
     assert len(builds) == 1 and builds[0] != folder  # built aside, then renamed into place
@@ -86,15 +90,58 @@ def test_tiny_random_is_built_into_the_cache_once(monkeypatch, tmp_path):
     stamp.write_text(json.dumps(stale))
     assert Path(cli._pick_model("tiny-random")) == folder and len(builds) == 2  # stale: rebuilt
     assert json.loads(stamp.read_text())["config_sha256"] != "0" * 64
-    glmasr.load(folder, device="cpu")
+    asr = glmasr.load("tiny-random", device="cpu")  # the Python API takes the name the CLI takes
+    assert asr.folder == folder and len(builds) == 2
+    r = glmasr.transcribe(noise(1.5, 7), model=asr, sampling_rate=16000, max_new_tokens=3)
+    assert isinstance(r, glmasr.Transcription) and 1 <= len(r.token_ids) <= 3
+    asr.close()
 
 
 def test_tiny_random_cache_not_writable(monkeypatch, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("GLMASR_CACHE_DIR", str(blocker / "sub"))  # a folder under a file: cannot be created
-    with pytest.raises(ValueError, match="GLMASR_CACHE_DIR"):
+    with pytest.raises(CheckpointError, match="GLMASR_CACHE_DIR"):
         cli._pick_model("tiny-random")
+    with pytest.raises(CheckpointError, match="GLMASR_CACHE_DIR"):
+        glmasr.load("tiny-random", device="cpu")
+
+
+def test_offline_hint_names_commands_that_exist(monkeypatch, tmp_path):
+    """Current huggingface_hub installs `hf`, not `huggingface-cli`; a wheel user has `glmasr`, not demo.py."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    with pytest.raises(CheckpointError) as e:
+        resolve_checkpoint("someone/not-cached-model")
+    text = str(e.value)
+    assert "hf download someone/not-cached-model --local-dir" in text
+    assert "glmasr --model /path/to/GLM-ASR-Nano-2512" in text and "glmasr --model tiny-random" in text
+    assert "huggingface-cli" not in text and "demo.py" not in text
+
+
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert "glmasr transcribe FILES_OR_DIRS" in out and "glmasr serve" in out and "pip install 'glmasr[serve]'" in out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--max-new-tokens", "0"])
+    assert e.value.code == 2 and "--max-new-tokens: must be at least 1" in capsys.readouterr().err
+
+
+def test_serve_without_the_serve_extra(monkeypatch, capsys):
+    """`glmasr serve --help` where fastapi and uvicorn are not installed: the extra to install, no traceback."""
+    for name in ("fastapi", "uvicorn"):
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it fails as if it were not installed
+    for name in [n for n in sys.modules if n == "glmasr.server" or n.startswith("glmasr.server.")]:
+        monkeypatch.delitem(sys.modules, name)  # imported afresh, without them
+    assert cli.main(["serve", "--help"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'glmasr[serve]'" in err and "fastapi" in err and "Traceback" not in err
 
 
 @pytest.mark.skipif(not FROM_CHECKOUT, reason="glmasr is not imported from this checkout")
