@@ -4,12 +4,13 @@
     result = glmasr.transcribe("speech.wav")            # loads zai-org/GLM-ASR-Nano-2512
     asr = glmasr.load("/path/to/checkpoint", device="cuda")
     results = glmasr.transcribe(["a.wav", "b.flac"], model=asr)   # thread-safe: one engine per model
+    asr.close()                                          # or `with glmasr.load(...) as asr:` frees it
 """
 
-from .api import transcribe, transcribe_stream
+from .api import close_shared_model, transcribe, transcribe_stream
 from .audio import AudioError, AudioWarning
 from .config import ConfigError, GlmAsrConfig
-from .engine.loop import EngineClosed, EngineError
+from .engine.loop import EngineClosed, EngineError, RequestTimeoutError
 from .handle import GlmAsr, TranscriptionJob, load
 from .options import DecodeOptions, EngineOptions
 from .results import Segment, Transcription, TranscriptDelta
@@ -18,5 +19,6 @@ from .weights import CheckpointError
 
 __all__ = ["load", "transcribe", "transcribe_stream", "GlmAsr", "TranscriptionJob", "Transcription",
            "TranscriptDelta", "DecodeOptions", "EngineOptions", "GlmAsrConfig", "AudioError", "CheckpointError",
-           "ConfigError", "TokenizerError", "EngineError", "EngineClosed", "AudioWarning", "Segment"]
+           "ConfigError", "TokenizerError", "EngineError", "EngineClosed", "RequestTimeoutError", "AudioWarning",
+           "Segment", "close_shared_model"]
 __version__ = "0.1.0"

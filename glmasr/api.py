@@ -4,24 +4,33 @@ Data flow: inputs and options are checked, every audio is loaded (16 kHz mono, `
 window groups (``pipeline.plan_audio``) in the caller's thread, before any model work; each audio becomes one
 engine request (``GlmAsr.submit``). The engine thread encodes, prefills and decodes them together with every
 other caller's requests; the caller turns its requests' tokens into text (``transcript.py``).
+
+``model=`` that is not a handle (a folder or hub id) is loaded once and kept (``_SharedModel``): the loop
+``for f in files: transcribe(f, model=path)`` reuses it; a call naming another checkpoint, device, dtype or
+backend replaces it (the old one is closed and freed); ``close_shared_model()`` frees it. ``timeout=`` bounds a
+call: the engine drops its requests once it has passed and the call raises ``RequestTimeoutError``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
+import threading
 import time
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import torch
 
+from . import handle as _handle
 from .audio import Audio, AudioError, load_audio
-from .device import resolve_device, same_device
-from .handle import GlmAsr, load
+from .device import resolve_device, resolve_dtype, same_device
+from .engine.loop import RequestTimeoutError, check_timeout
+from .handle import GlmAsr
 from .options import DecodeOptions
 from .results import TranscriptDelta
-from .weights import DEFAULT_MODEL_ID
+from .weights import DEFAULT_MODEL_ID, resolve_checkpoint
 
 _AUDIO_TYPES = (str, os.PathLike, np.ndarray, torch.Tensor, Audio)
 
@@ -41,13 +50,100 @@ def _as_batch(audio) -> tuple[list, bool]:
     return [audio], False
 
 
-def _model_for(model, device) -> GlmAsr:
+class _ModelKey(NamedTuple):
+    """What identifies a loaded model: the same key, the same weights on the same device, the same path."""
+
+    folder: str
+    device: torch.device
+    dtype: torch.dtype
+    backend: str
+
+
+def _model_key(model, device) -> _ModelKey:
+    dev = resolve_device(device)
+    if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" are one device when 0 is current
+        dev = torch.device("cuda", torch.cuda.current_device())
+    backend = "triton" if dev.type == "cuda" else "torch"  # what load's backend "auto" picks
+    return _ModelKey(str(resolve_checkpoint(model).resolve()), dev, resolve_dtype(None, dev), backend)
+
+
+class _SharedModel:
+    """The model ``transcribe`` / ``transcribe_stream`` loaded for a ``model=`` that is not a handle, kept for
+    the next call. One at a time: a call with another key loads that one and the old one is closed (freed)
+    first, or, while another call is between looking it up and submitting to it, by the last such call (the
+    requests already submitted finish either way). Thread-safe: concurrent calls for one model wait for one
+    load. A user who closes the kept handle makes it forget it."""
+
+    def __init__(self):
+        self._lock = threading.RLock()  # re-entered by the close hook when it closes the old model itself
+        self._key: _ModelKey | None = None
+        self._asr: GlmAsr | None = None
+        self._users: dict[GlmAsr, int] = {}  # calls between acquire and release, per handle
+
+    def acquire(self, model, device) -> GlmAsr:
+        key = _model_key(model, device)
+        with self._lock:
+            if self._key != key or self._asr is None or self._asr.closed:
+                old, self._asr, self._key = self._asr, None, None
+                if old is not None and not self._users.get(old):
+                    old.close()  # before the new load: one model in memory at a time
+                asr = _handle.load(key.folder, device=key.device, dtype=key.dtype, backend=key.backend)
+                asr._close_hooks.append(self._forget)
+                self._asr, self._key = asr, key
+            self._users[self._asr] = self._users.get(self._asr, 0) + 1
+            return self._asr
+
+    def release(self, asr: GlmAsr) -> None:
+        with self._lock:
+            n = self._users.pop(asr, 0) - 1
+            if n > 0:
+                self._users[asr] = n
+                return
+            retired = asr is not self._asr
+        if retired:  # replaced while this call used it: its requests are in, let it go once they are done
+            asr._close(wait=False)
+
+    def _forget(self, asr: GlmAsr) -> None:
+        with self._lock:
+            if self._asr is asr:
+                self._asr = self._key = None
+
+    def close(self) -> None:
+        with self._lock:
+            asr, self._asr, self._key = self._asr, None, None
+            busy = asr is not None and self._users.get(asr)
+        if asr is not None and not busy:  # a busy one is closed by its last call's release
+            asr.close()
+
+    @property
+    def current(self) -> GlmAsr | None:
+        return self._asr
+
+
+_shared = _SharedModel()
+
+
+def close_shared_model() -> None:
+    """Free the model that ``transcribe`` / ``transcribe_stream`` keep for a ``model=`` path or hub id (after
+    the requests in hand). The next such call loads it again."""
+    _shared.close()
+
+
+@contextlib.contextmanager
+def _model_for(model, device):
+    """The handle to submit to, held until the block ends (the shared model is not closed under a caller)."""
     if isinstance(model, GlmAsr):
         if device is not None and not same_device(resolve_device(device), model.device):
             raise ValueError(f"device={device!r} contradicts the loaded model, which is on {model.device}; "
                              f"load it on {device!r} or leave device= out")
-        return model
-    return load(model, device=device)
+        model._check_open()
+        yield model
+        return
+    asr = _shared.acquire(model, device)
+    try:
+        yield asr
+    finally:
+        _shared.release(asr)
 
 
 def _load_all(items: list, batched: bool, sampling_rate) -> list[tuple[Audio, float]]:
@@ -62,8 +158,9 @@ def _load_all(items: list, batched: bool, sampling_rate) -> list[tuple[Audio, fl
     return loaded
 
 
-def _submit_all(asr: GlmAsr, audio, decode: DecodeOptions, sampling_rate, max_batch):
+def _submit_all(asr: GlmAsr, audio, decode: DecodeOptions, sampling_rate, max_batch, timeout: float | None):
     t0 = time.perf_counter()
+    deadline = None if timeout is None else time.monotonic() + timeout  # the model is ready: its load not counted
     items, batched = _as_batch(audio)
     if max_batch is not None:
         asr.reconfigure(max_batch=max_batch)
@@ -71,7 +168,10 @@ def _submit_all(asr: GlmAsr, audio, decode: DecodeOptions, sampling_rate, max_ba
     jobs = []
     try:
         for i, (a, audio_ms) in enumerate(loaded):
-            jobs.append(asr.submit_loaded(a, decode, i, t0, audio_ms))
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RequestTimeoutError(f"the call did not finish within its timeout of {timeout:g} s: it ran "
+                                          f"out before audio[{i}] was submitted")
+            jobs.append(asr._submit(a, decode, i, t0, audio_ms, None, deadline, timeout))
     except BaseException:
         for j in jobs:
             j.abort()
@@ -81,23 +181,28 @@ def _submit_all(asr: GlmAsr, audio, decode: DecodeOptions, sampling_rate, max_ba
 
 def transcribe(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new_tokens: int | None = None,
                sampling_rate: int | None = None, device=None, ignore_eos: bool = False, max_batch: int | None = None,
-               repetition_stop: int | None = None, segmentation: str = "windows"):
+               repetition_stop: int | None = None, segmentation: str = "windows", timeout: float | None = None):
     """Transcribe one audio input or a list of them.
 
     audio: a file path, a numpy array or a torch tensor (then ``sampling_rate`` is required), or a list of
-    these. model: a ``GlmAsr`` from ``load`` or anything ``load`` accepts. prompt: replaces the default
+    these. model: a ``GlmAsr`` from ``load`` or anything ``load`` accepts (loaded on the first call and kept
+    for the next ones with the same checkpoint, device, dtype and backend; another one replaces it;
+    ``close_shared_model()`` frees it). prompt: replaces the default
     instruction. max_new_tokens: token budget per prompt (default grows with duration). ignore_eos: decode
     exactly max_new_tokens tokens (benchmarking). max_batch: sequence slots of the shared engine (changing it
     rebuilds the engine once the requests in hand are done). repetition_stop: opt-in runaway guard (see
     ``DecodeOptions``). segmentation: "windows" (30 s windows grouped as the reference processor groups them:
     token-exact with transformers, the default here) or "vad" (speech regions cut at silences into pieces of at
     most 30 s, decoded in parallel, each a segment with its own times: for long recordings and subtitles; the
-    CLI's default). Thread-safe: calls from many threads share the model's engine. Returns a
-    ``Transcription`` or a list of them, in input order.
+    CLI's default). timeout: seconds for the whole call, counted once the model is ready (loading it is not
+    counted); past it the engine drops the call's requests and this raises ``RequestTimeoutError``.
+    Thread-safe: calls from many threads share the model's engine. Returns a ``Transcription`` or a list of
+    them, in input order.
     """
     decode = DecodeOptions(prompt, max_new_tokens, ignore_eos, repetition_stop, segmentation)  # checked before loading
-    asr = _model_for(model, device)
-    jobs, batched = _submit_all(asr, audio, decode, sampling_rate, max_batch)
+    timeout = check_timeout(timeout)
+    with _model_for(model, device) as asr:
+        jobs, batched = _submit_all(asr, audio, decode, sampling_rate, max_batch, timeout)
     try:
         out = [j.result() for j in jobs]
     finally:
@@ -108,15 +213,17 @@ def transcribe(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new
 
 def transcribe_stream(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new_tokens: int | None = None,
                       sampling_rate: int | None = None, device=None, max_batch: int | None = None,
-                      repetition_stop: int | None = None, segmentation: str = "windows"
-                      ) -> Iterator[TranscriptDelta]:
+                      repetition_stop: int | None = None, segmentation: str = "windows",
+                      timeout: float | None = None) -> Iterator[TranscriptDelta]:
     """Like ``transcribe``, but yields ``TranscriptDelta``s as text is produced (every few decode steps): for a
     list, deltas of different inputs interleave (``.index`` says which); each input's last delta has
     ``finished=True`` and the complete ``Transcription`` in ``.result``. Closing the iterator early aborts the
-    requests still running."""
+    requests still running. timeout: as for ``transcribe``, for all of the call's requests (the iterator
+    raises ``RequestTimeoutError``)."""
     decode = DecodeOptions(prompt, max_new_tokens, repetition_stop=repetition_stop, segmentation=segmentation)
-    asr = _model_for(model, device)
-    jobs, _ = _submit_all(asr, audio, decode, sampling_rate, max_batch)
+    timeout = check_timeout(timeout)
+    with _model_for(model, device) as asr:
+        jobs, _ = _submit_all(asr, audio, decode, sampling_rate, max_batch, timeout)
     return _merge(jobs)
 
 

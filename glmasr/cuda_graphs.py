@@ -1,5 +1,5 @@
-"""One way to capture a CUDA graph, shared by the encoder graphs (models/fast.py) and the engine's prefill and
-decode-step graphs (engine/model_runner.py).
+"""One way to capture a CUDA graph: the engine's runner (engine/model_runner.py) captures every graph of the
+model's calls with it (encoder window buckets, one-prompt prefill buckets, decode batch x KV-length buckets).
 
 ``capture(fn, device, pool)`` runs ``fn`` ``warmup`` times on a side stream first (Triton compiles, cuBLAS and
 SDPA pick their kernels, the caching allocator sees the sizes), makes the current stream wait for it, then
@@ -16,9 +16,21 @@ from typing import Any, Callable
 import torch
 
 
+_WARMUP_STREAMS: dict = {}  # one side stream per device for the warm-up runs
+
+
+def _warmup_stream(device: torch.device) -> "torch.cuda.Stream":
+    # One per device, not one per capture: PyTorch keeps a cuBLAS workspace for every (thread, stream) pair it has
+    # seen, so a new stream per capture grew the GPU memory of every load/close cycle (~97 MiB each on the H200).
+    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    if key not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[key] = torch.cuda.Stream(device)
+    return _WARMUP_STREAMS[key]
+
+
 def capture(fn: Callable[[], Any], device: torch.device, pool=None, warmup: int = 1,
             before_warmup: Callable[[], Any] | None = None) -> tuple["torch.cuda.CUDAGraph", Any]:
-    stream = torch.cuda.Stream(device)
+    stream = _warmup_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         for _ in range(warmup):

@@ -4,6 +4,11 @@ Every entry point (``transcribe``, ``transcribe_stream``, the CLI, a server) is 
 ``EngineLoop``: audio is loaded, checked and planned in the caller's thread (``submit``), the engine thread does
 all the device work, and the caller assembles its text from its request's stream. So any number of threads (or
 coroutines) can share one loaded model and each gets exactly what it would get alone.
+
+A handle lives until ``close()`` (or the end of its ``with`` block): that finishes the requests in hand, stops
+the engine thread and releases the model's tensors; later use raises ``EngineClosed``. A request may carry a
+timeout (``submit(..., timeout=)``, ``job.result(timeout=)``): the engine drops it once that has passed, queued
+or running, and the job raises ``RequestTimeoutError``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from .audio import Audio, load_audio
 from .config import GlmAsrConfig
 from .device import resolve_device, resolve_dtype
 from .engine.engine import Engine
-from .engine.loop import EngineLoop
+from .engine.loop import EngineClosed, EngineLoop, check_priority, check_timeout
 from .engine.model_runner import check_batch_invariance
 from .models.glmasr import GlmAsrModel
 from .options import DecodeOptions, EngineOptions
@@ -34,7 +39,9 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 class GlmAsr:
-    """A loaded checkpoint (config, model, prompt builder, device, dtype) and its shared engine."""
+    """A loaded checkpoint (config, model, prompt builder, device, dtype) and its shared engine.
+
+    A context manager: ``with glmasr.load(path) as asr: ...`` closes (frees) it at the end of the block."""
 
     def __init__(self, config: GlmAsrConfig, model, prompts: PromptBuilder, folder: Path, frontend="torch",
                  options: EngineOptions | None = None, load_timings: dict | None = None):
@@ -48,9 +55,12 @@ class GlmAsr:
         self.options = (options or EngineOptions()).resolved(model.device.type)
         check_batch_invariance(model, self.options)
         self.load_timings = load_timings or {}
+        self._device, self._dtype = model.device, model.dtype  # kept past close() (repr, error messages)
         self._engine: Engine | None = None
         self._loop: EngineLoop | None = None
         self._lock = threading.Lock()
+        self._closed = False
+        self._close_hooks: list = []  # fn(handle), called once by close() (the api's shared-model cache)
 
     @property
     def frontend(self) -> str:
@@ -60,20 +70,41 @@ class GlmAsr:
 
     @property
     def device(self) -> torch.device:
-        return self.model.device
+        return self._device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.dtype
+        return self._dtype
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def __repr__(self) -> str:
+        if self._closed:
+            return f"GlmAsr(folder={str(self.folder)!r}, device={self.device}, dtype={self.dtype}, closed)"
         return (f"GlmAsr(folder={str(self.folder)!r}, device={self.device}, dtype={self.dtype}, "
                 f"model={type(self.model).__name__}, frontend={self.frontend!r}, max_batch={self.options.max_batch})")
+
+    def __enter__(self) -> "GlmAsr":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _closed_error(self) -> EngineClosed:
+        return EngineClosed(f"this GlmAsr ({self.folder} on {self.device}) was closed and its model freed; "
+                            f"load the checkpoint again (glmasr.load) to use it")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise self._closed_error()
 
     # ---- the engine ----
     @property
     def engine(self) -> Engine:
         with self._lock:
+            self._check_open()
             if self._engine is None:
                 self._engine = Engine(self.model, self.options, lambda: self.frontend)
             return self._engine
@@ -82,26 +113,57 @@ class GlmAsr:
     def loop(self) -> EngineLoop:
         engine = self.engine
         with self._lock:
+            self._check_open()
             if self._loop is None:
                 self._loop = EngineLoop(engine)
             return self._loop
 
     def reconfigure(self, **options) -> None:
         """New engine options (e.g. ``max_batch``): waits for the requests in hand, then rebuilds the engine."""
+        self._check_open()
         new = dataclasses.replace(self.options, **options).resolved(self.device.type)
         check_batch_invariance(self.model, new)
         if new == self.options:
             return
-        self.close()
+        self._stop_engine()
         with self._lock:
             self.options = new
 
-    def close(self) -> None:
-        """Finish the requests in hand and stop the engine thread (a later request starts a new one)."""
+    def _stop_engine(self) -> None:
+        """Finish the requests in hand and stop the engine thread, keeping the model (the next request builds a
+        new engine): ``reconfigure``'s rebuild, not the public ``close``."""
         with self._lock:
             loop, self._loop, self._engine = self._loop, None, None
         if loop is not None:
             loop.close()
+
+    def close(self) -> None:
+        """Free the handle: the requests in hand finish (their jobs still deliver), the engine thread stops, and
+        the model's tensors, KV cache and graphs are released (on CUDA the cached blocks are returned to the
+        device). Later use (``submit``, ``transcribe(model=...)``, ``warmup``...) raises ``EngineClosed``.
+        Idempotent; thread-safe."""
+        self._close(wait=True)
+
+    def _close(self, wait: bool) -> None:
+        """``close``; ``wait=False`` returns without waiting for the requests in hand (the engine thread lets
+        go of the model once they are done)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            loop, self._loop, self._engine = self._loop, None, None
+            self.model = self.prompts = None  # the jobs in flight hold what they need (their assembler)
+            hooks, self._close_hooks = self._close_hooks, []
+        if loop is not None:
+            loop.close(None if wait else 0)
+        del loop
+        if wait and self._device.type == "cuda":
+            import gc
+
+            gc.collect()  # graphs and their pools can sit in reference cycles
+            torch.cuda.empty_cache()
+        for hook in hooks:
+            hook(self)
 
     def prime(self):
         """Compile the kernels and capture the graphs of the one-clip path (encoder bucket 1, the 64-position
@@ -126,25 +188,48 @@ class GlmAsr:
         if batch_sizes is None:
             batch_sizes = self.engine.runner.buckets
         timings.update(self.loop.call(lambda eng: eng.warmup(
-            batch_sizes=batch_sizes, kv_lens=kv_lens, prefill_lengths=prefill_lengths,
-            encoder_windows=self.model.ENCODER_BUCKETS if hasattr(self.model, "ENCODER_BUCKETS") else ())).result())
+            batch_sizes=batch_sizes, kv_lens=kv_lens, prefill_lengths=prefill_lengths)).result())
         timings["total_ms"] = 1e3 * (time.perf_counter() - t0)
         return timings
 
     # ---- requests ----
     def submit(self, audio, decode: DecodeOptions | None = None, sampling_rate: int | None = None,
-               index: int = 0, pieces: list[tuple[float, float]] | None = None) -> "TranscriptionJob":
+               index: int = 0, pieces: list[tuple[float, float]] | None = None, *, timeout: float | None = None,
+               priority: int = 0) -> "TranscriptionJob":
         """Load and plan one audio in this thread, queue it on the engine; returns at once. ``pieces``: your own
         segmentation, (start_s, end_s) stretches of at most 30 s, one prompt each (instead of
-        ``decode.segmentation``); each becomes a segment with those times."""
+        ``decode.segmentation``); each becomes a segment with those times. ``timeout``: seconds from this call
+        after which the engine drops the request, queued or running, and the job raises
+        ``RequestTimeoutError``. ``priority``: carried on the engine request (not used for admission yet)."""
+        deadline, timeout = self._deadline(timeout)
+        priority = check_priority(priority)
+        self._check_open()
         decode = decode or DecodeOptions()
         t0 = time.perf_counter()
         a = load_audio(audio, sampling_rate)  # an Audio passes through as it is
-        return self.submit_loaded(a, decode, index, t0, 1e3 * (time.perf_counter() - t0), pieces)
+        return self._submit(a, decode, index, t0, 1e3 * (time.perf_counter() - t0), pieces, deadline, timeout,
+                            priority)
 
     def submit_loaded(self, audio: Audio, decode: DecodeOptions, index: int = 0, t_start: float | None = None,
-                      audio_ms: float = 0.0, pieces: list[tuple[float, float]] | None = None
-                      ) -> "TranscriptionJob":
+                      audio_ms: float = 0.0, pieces: list[tuple[float, float]] | None = None, *,
+                      timeout: float | None = None, priority: int = 0) -> "TranscriptionJob":
+        """``submit`` for audio already loaded (``t_start``: when the caller's request began, perf_counter;
+        ``audio_ms``: what loading it took, both for the timings). ``timeout``: seconds from this call, enforced
+        by the engine (``RequestTimeoutError``)."""
+        deadline, timeout = self._deadline(timeout)
+        return self._submit(audio, decode, index, t_start, audio_ms, pieces, deadline, timeout,
+                            check_priority(priority))
+
+    @staticmethod
+    def _deadline(timeout) -> tuple[float | None, float | None]:
+        timeout = check_timeout(timeout)
+        return (None if timeout is None else time.monotonic() + timeout), timeout
+
+    def _submit(self, audio: Audio, decode: DecodeOptions, index: int, t_start: float | None, audio_ms: float,
+                pieces, deadline: float | None, timeout_s: float | None, priority: int = 0) -> "TranscriptionJob":
+        """Plan and queue; ``deadline``: a ``time.monotonic()`` instant (``timeout_s``: the timeout it stands
+        for, named in the error)."""
+        self._check_open()
         t_start = time.perf_counter() if t_start is None else t_start
         if pieces is not None:
             plans = plan_pieces(audio, pieces, self.prompts, self.config, decode)
@@ -154,7 +239,17 @@ class GlmAsr:
                                         index, t_start, audio_ms, audio.missing_s if audio.truncated else 0.0)
         if not plans:  # nothing to decode (no speech found): the job is done already
             return TranscriptionJob(_DoneStream(assembler), assembler)
-        stream = self.loop.submit(plans, ignore_eos=decode.ignore_eos, repetition_stop=decode.repetition_stop)
+        for attempt in (0, 1):
+            loop = self.loop
+            try:
+                stream = loop.submit(plans, ignore_eos=decode.ignore_eos, repetition_stop=decode.repetition_stop,
+                                     deadline=deadline, timeout_s=timeout_s, priority=priority)
+                break
+            except EngineClosed:
+                self._check_open()  # closed meanwhile: say so
+                if attempt:
+                    raise
+                # else reconfigure() stopped that engine between the two lines: the next one takes it
         return TranscriptionJob(stream, assembler)
 
 
@@ -182,6 +277,9 @@ class _DoneStream:
 
     def set_listener(self, fn):
         fn()
+
+    def set_timeout(self, timeout):
+        check_timeout(timeout)
 
     def close(self):
         pass
@@ -222,12 +320,19 @@ class TranscriptionJob:
     def done(self) -> bool:
         return self.stream.exhausted
 
-    def result(self) -> Transcription:
+    def result(self, timeout: float | None = None) -> Transcription:
+        """The transcription, once the engine is done. ``timeout``: seconds from now; past it the engine drops
+        the request (an earlier timeout it has stays) and this raises ``RequestTimeoutError``."""
+        if timeout is not None:
+            self.stream.set_timeout(timeout)
         for _ in self.deltas(stream=False):  # no incremental detokenizing: the text is decoded once
             pass
         return self._final()
 
-    async def aresult(self) -> Transcription:
+    async def aresult(self, timeout: float | None = None) -> Transcription:
+        """``result`` for asyncio code."""
+        if timeout is not None:
+            self.stream.set_timeout(timeout)
         async for _ in self.adeltas(stream=False):
             pass
         return self._final()
@@ -271,8 +376,6 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
         timings["cuda_init_ms"] = 1e3 * (time.perf_counter() - t)
     fast = backend == "triton" or (backend == "auto" and dev.type == "cuda")
     if fast:  # imported here, before the threads start, so no two threads import the same modules at once
-        from glmasr_kernels import _triton_utils
-
         from .models.fast import FastGlmAsrModel
         if dev.type == "cuda":
             import glmasr_kernels.logmel  # noqa: F401
@@ -284,7 +387,7 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
     with torch.device("meta"):
         net = GlmAsrModel(cfg)
     timings["meta_model_ms"] = 1e3 * (time.perf_counter() - t)
-    state = load_state_dict(folder, net, dev, dt, timings=timings, reader=options.weights_reader)
+    state = load_state_dict(folder, net, dev, dt, timings=timings)
     t_assign = time.perf_counter()
     net.load_state_dict(state, strict=True, assign=True)
     net.eval().requires_grad_(False)
@@ -296,9 +399,7 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
     frontend = "torch"
     if fast:
         t = time.perf_counter()
-        _triton_utils.set_pdl(options.pdl)
-        net = FastGlmAsrModel(net, encoder_graphs=options.encoder_graphs, decode_gemm=options.decode_gemm,
-                              decode_step=options.decode_step)
+        net = FastGlmAsrModel(net)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         timings["weight_fusion_ms"] = 1e3 * (time.perf_counter() - t)
@@ -324,7 +425,7 @@ def _prepare_frontend(cfg, dev: torch.device) -> str | None:
 
     from glmasr_kernels.logmel import is_available, prebuild
 
-    from .models.fast import KernelFallbackWarning, kernel_support
+    from .models.kernel_support import KernelFallbackWarning, kernel_support
 
     reason = kernel_support(cfg)["frontend"]
     if reason is not None:

@@ -105,11 +105,11 @@ def test_batch_invariance_is_refused_where_it_cannot_hold(tiny_shipped):
     from glmasr.engine.model_runner import check_batch_invariance
     from glmasr.options import EngineOptions
 
-    plain_cuda = SimpleNamespace(device=torch.device("cuda"))
+    plain_cuda = SimpleNamespace(device=torch.device("cuda"), triton_decoder=False)
     with pytest.raises(ValueError, match="batch_invariant=True needs the Triton decoder path on CUDA"):
         check_batch_invariance(plain_cuda, EngineOptions(batch_invariant=True))
     check_batch_invariance(plain_cuda, EngineOptions())
-    check_batch_invariance(SimpleNamespace(device=torch.device("cuda"), uses_triton=True),
+    check_batch_invariance(SimpleNamespace(device=torch.device("cuda"), triton_decoder=True),
                            EngineOptions(batch_invariant=True))
     check_batch_invariance(SimpleNamespace(device=torch.device("cpu")), EngineOptions(batch_invariant=True))
     if CUDA:
@@ -281,13 +281,17 @@ def test_device_that_contradicts_the_loaded_model(tiny_asr):
 
 
 def test_warmup_and_close_then_reuse(tiny_shipped):
+    """close() frees the handle (issue 22: it used to restart the engine on the next call); reuse is a clear
+    error, and a new load gives the same result."""
     asr = glmasr.load(tiny_shipped, device="cpu", warmup=True)
     assert "warmup_first_request_ms" in asr.load_timings
     a = glmasr.transcribe(noise(2.0, 7), model=asr, sampling_rate=16000, max_new_tokens=6)
     asr.close()
-    b = glmasr.transcribe(noise(2.0, 7), model=asr, sampling_rate=16000, max_new_tokens=6)  # a new engine thread
+    with pytest.raises(glmasr.EngineClosed, match="was closed"):
+        glmasr.transcribe(noise(2.0, 7), model=asr, sampling_rate=16000, max_new_tokens=6)
+    with glmasr.load(tiny_shipped, device="cpu") as again:
+        b = glmasr.transcribe(noise(2.0, 7), model=again, sampling_rate=16000, max_new_tokens=6)
     assert key(a) == key(b)
-    asr.close()
 
 
 _MEMORY_PROBE = r"""
@@ -387,3 +391,56 @@ def test_abort_arriving_with_a_call_is_not_lost(tiny_shipped):
         assert not asr.engine.has_unfinished()
     finally:
         asr.close()
+
+
+def test_threads_share_the_model_a_path_loads_and_survive_replacements(tiny_shipped, tmp_path, monkeypatch):
+    """``transcribe(model=PATH)`` from many threads: one load for one path, every caller gets what it gets alone;
+    threads alternating two paths replace the kept model under each other without a failed call (a model is
+    closed only once no call is between looking it up and submitting to it)."""
+    import shutil
+
+    import glmasr.handle
+
+    other = tmp_path / "copy"
+    shutil.copytree(tiny_shipped, other)
+    loads = []
+    real = glmasr.handle.GlmAsr.__init__
+    monkeypatch.setattr(glmasr.handle.GlmAsr, "__init__",
+                        lambda self, *a, **k: loads.append(a[3]) or real(self, *a, **k))  # a[3]: its folder
+    audios = [noise(s, 900 + i) for i, s in enumerate((1.5, 3.0, 2.0))]
+    with glmasr.load(tiny_shipped, device="cpu") as ref:
+        alone = [key(glmasr.transcribe(a, model=ref, sampling_rate=16000, max_new_tokens=6)) for a in audios]
+    glmasr.close_shared_model()
+    errors, got = [], {}
+
+    def engine_threads():
+        return sum(t.name == "glmasr-engine" and t.is_alive() for t in threading.enumerate())
+
+    before = engine_threads()
+
+    def caller(k, paths):
+        try:
+            got[k] = [key(glmasr.transcribe(audios[i], model=paths[i % len(paths)], device="cpu",
+                                            sampling_rate=16000, max_new_tokens=6)) for i in range(len(audios))]
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    try:
+        for paths, expect_loads in (([tiny_shipped], 1), ([tiny_shipped, other], None)):
+            loads.clear()
+            threads = [threading.Thread(target=caller, args=(k, paths[k % len(paths):] + paths[:k % len(paths)]))
+                       for k in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=300)
+            assert not errors, errors
+            assert all(got[k] == alone for k in range(4))
+            if expect_loads is not None:
+                assert len(loads) == expect_loads
+            deadline = time.perf_counter() + 10  # a model replaced under a caller stops once its requests are done
+            while engine_threads() - before > 1 and time.perf_counter() < deadline:
+                time.sleep(0.01)
+            assert engine_threads() - before <= 1, "more than the kept model's engine thread is left"
+    finally:
+        glmasr.close_shared_model()

@@ -11,6 +11,7 @@ import torch
 import glmasr
 from glmasr.engine.engine import Engine
 from glmasr.engine.generate import GenerationRequest, greedy_generate
+from glmasr.engine.model_runner import ModelRunner
 from glmasr.options import DecodeOptions
 from glmasr.pipeline import prepare_requests
 
@@ -50,9 +51,12 @@ def close_logprobs(got, ref, tol=LOGPROB_TOL):
         assert diff <= tol, f"log-probs differ by {diff:.2e}"
 
 
-def poisoned_engine(model, **options):
-    """An engine whose log-prob buffer is NaN from the start: a value the step did not write shows up."""
+def poisoned_engine(model, graphs=True, prefill_graphs=True, **options):
+    """An engine whose log-prob buffer is NaN from the start: a value the step did not write shows up.
+    ``graphs`` / ``prefill_graphs`` off: a runner of eager launches (the runner's test-only arguments)."""
     engine = Engine(model, **options)
+    if not (graphs and prefill_graphs):
+        engine.runner = ModelRunner(model, engine.options, graphs=graphs, prefill_graphs=prefill_graphs)
     engine.runner.out_logprob.fill_(float("nan"))
     return engine
 
@@ -73,24 +77,12 @@ def test_runner_counts_its_prefills(tiny_asr):
     engine = Engine(tiny_asr.model, max_batch=3, sync_every=4)
     engine.generate(reqs)
     stats = engine.runner.stats
-    kinds = ("prefills_packed", "prefills_padded", "prefills_graphed")
+    kinds = ("prefills_packed", "prefills_graphed")
     assert 1 <= sum(stats[k] for k in kinds) <= len(reqs) and stats["prefills_packed"] >= 1
     assert stats["decode_captures"] == 0 and stats["prefill_captures"] == 0
     stats.clear()
     engine.generate(reqs[:1])
     assert sum(stats[k] for k in kinds) == 1
-
-
-def test_padded_prefill_alternative_equals_reference_loop(tiny_asr):
-    """The right-padded length-group prefill (``prefill="padded"``, kept for comparison) still gives the
-    reference loop's tokens."""
-    reqs = requests_for(tiny_asr)
-    ref = greedy_generate(tiny_asr.model, reqs, tiny_asr.config.text.eos_token_ids)
-    engine = poisoned_engine(tiny_asr.model, max_batch=4, sync_every=4, prefill="padded")
-    got = engine.generate(reqs)
-    assert engine.runner.stats["prefills_padded"] >= 1 and engine.runner.stats["prefills_packed"] == 0
-    assert same(got, ref)
-    close_logprobs(got, ref)
 
 
 @pytest.fixture(scope="module")
@@ -192,72 +184,23 @@ def test_engine_on_the_triton_path(tiny_shipped):
     fast = FastGlmAsrModel(glmasr.load(tiny_shipped, device=dev, dtype="float32", backend="torch").model)
     reqs = requests_for(ref, budgets=(6, 4, 3, 5, 6, 2, 4))
     expected = greedy_generate(ref.model, reqs, ref.config.text.eos_token_ids)
-    eager = poisoned_engine(fast, max_batch=3, sync_every=3, cuda_graphs=False)
+    eager = poisoned_engine(fast, max_batch=3, sync_every=3, graphs=False)
     assert eager.runner.fused_commit, "decode steps go through the greedy_commit kernel"
     got = eager.generate(reqs)
     assert same(got, expected)
     close_logprobs(got, expected)  # the kernel's fused log-sum-exp vs log_softmax in the reference loop
     if torch.cuda.is_available():  # the same with every decode step replayed from a CUDA graph
-        graphed = poisoned_engine(fast, max_batch=3, sync_every=3, cuda_graphs=True, prefill_graphs=False)
+        graphed = poisoned_engine(fast, max_batch=3, sync_every=3, prefill_graphs=False)
         got = graphed.generate(reqs)
         assert same(got, expected)
         close_logprobs(got, expected)  # log-probs come out of graph replay (the buffer started NaN)
         assert graphed.runner.graphs, "decode steps were captured"
         # single-request prefills replayed from graphs (max_batch=1 admits one request per round)
-        prefill_graphed = poisoned_engine(fast, max_batch=1, sync_every=3, cuda_graphs=True, prefill_graphs=True)
+        prefill_graphed = poisoned_engine(fast, max_batch=1, sync_every=3)
         got = prefill_graphed.generate(reqs)
         assert same(got, expected)
         close_logprobs(got, expected)
         assert prefill_graphed.runner._prefill_graphs, "prefills were captured"
-
-
-@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                    reason="needs CUDA, or TRITON_INTERPRET=1 to run the Triton kernels on the CPU")
-def test_engine_with_skinny_decode_gemms(tiny_shipped):
-    """Decode steps on the split-K GEMV kernels (opt-in ``decode_gemm='skinny'``) give the reference tokens
-    (fp32: fp32 accumulation in both, only the summation order differs)."""
-    from glmasr.models.fast import FastGlmAsrModel
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    ref = glmasr.load(tiny_shipped, device=dev, dtype="float32", backend="torch")
-    fast = FastGlmAsrModel(glmasr.load(tiny_shipped, device=dev, dtype="float32", backend="torch").model,
-                           decode_gemm="skinny")
-    reqs = requests_for(ref, budgets=(5, 4, 3, 5, 2, 2, 4))
-    expected = greedy_generate(ref.model, reqs, ref.config.text.eos_token_ids)
-    got = poisoned_engine(fast, max_batch=4, sync_every=3, cuda_graphs=torch.cuda.is_available()).generate(reqs)
-    assert same(got, expected)
-    close_logprobs(got, expected)
-    with pytest.raises(ValueError, match="decode_gemm"):
-        FastGlmAsrModel(ref.model, decode_gemm="cutlass")
-
-
-@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                    reason="needs CUDA, or TRITON_INTERPRET=1 to run the Triton kernels on the CPU")
-def test_engine_with_the_persistent_decode_step(tiny_shipped):
-    """Batch-1 decode steps as one persistent launch over all layers (opt-in ``decode_step='persistent'``; the
-    staged launches under the interpreter) give the reference tokens, eagerly and (GPU) replayed from CUDA
-    graphs; max_batch=1 makes every step a batch-1 step. A raised error flag (a grid barrier that gave up) fails
-    the round with a clear error instead of returning its tokens, and is cleared for the next call."""
-    from glmasr.models.fast import FastGlmAsrModel
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    ref = glmasr.load(tiny_shipped, device=dev, dtype="float32", backend="torch")
-    fast = FastGlmAsrModel(glmasr.load(tiny_shipped, device=dev, dtype="float32", backend="torch").model,
-                           decode_step="persistent")
-    assert fast.decode_error_flag is not None
-    reqs = requests_for(ref, budgets=(6, 3, 5))
-    expected = greedy_generate(ref.model, reqs, ref.config.text.eos_token_ids)
-    for graphs in ((False, True) if torch.cuda.is_available() else (False,)):
-        engine = poisoned_engine(fast, max_batch=1, sync_every=3, cuda_graphs=graphs)
-        got = engine.generate(reqs)
-        assert same(got, expected), graphs
-        close_logprobs(got, expected)
-    fast.decode_error_flag.fill_(1)
-    with pytest.raises(RuntimeError, match="grid barrier timed out"):
-        poisoned_engine(fast, max_batch=1, sync_every=3, cuda_graphs=False).generate(reqs[:1])
-    assert not fast._persistent_ws.error()
-    assert same(poisoned_engine(fast, max_batch=1, sync_every=3, cuda_graphs=False).generate(reqs[:1]),
-                expected[:1])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs, bf16 Triton path)")
@@ -267,10 +210,10 @@ def test_bf16_graph_replay_log_probs_equal_eager_steps(tiny_shipped):
     inputs in the same buckets; a graph only removes the launches). Prefill graphs are off on both sides: their
     right-padded bucket shapes may pick other cuBLAS kernels than an eager prefill."""
     asr = glmasr.load(tiny_shipped, device="cuda")
-    assert asr.model.uses_triton and asr.dtype == torch.bfloat16
+    assert asr.model.triton_decoder and asr.dtype == torch.bfloat16
     reqs = requests_for(asr, budgets=(12, 20, 5, 17, 20, 9, 12))
-    eager = poisoned_engine(asr.model, max_batch=4, sync_every=5, cuda_graphs=False).generate(reqs)
-    graphed_engine = poisoned_engine(asr.model, max_batch=4, sync_every=5, cuda_graphs=True, prefill_graphs=False)
+    eager = poisoned_engine(asr.model, max_batch=4, sync_every=5, graphs=False).generate(reqs)
+    graphed_engine = poisoned_engine(asr.model, max_batch=4, sync_every=5, prefill_graphs=False)
     graphed = graphed_engine.generate(reqs)
     assert graphed_engine.runner.graphs
     assert same(graphed, eager)
@@ -287,11 +230,10 @@ def test_decode_round_captures_its_bucket_when_long_enough(tiny_shipped):
 
     asr = glmasr.load(tiny_shipped, device="cuda")
     reqs = requests_for(asr, budgets=(9, 2, 13, 6, 3, 11, 7))
-    eager = poisoned_engine(asr.model, max_batch=4, sync_every=8, cuda_graphs=False).generate(reqs)
+    eager = poisoned_engine(asr.model, max_batch=4, sync_every=8, graphs=False).generate(reqs)
     rounds = []
     for sync_every in (CAPTURE_STEPS + 2, CAPTURE_STEPS - 1):
-        engine = poisoned_engine(asr.model, max_batch=4, sync_every=sync_every, cuda_graphs=True,
-                                 prefill_graphs=False)
+        engine = poisoned_engine(asr.model, max_batch=4, sync_every=sync_every, prefill_graphs=False)
         runner, decode = engine.runner, engine.runner.decode
 
         def spy(b, top, steps, runner=runner, decode=decode):
@@ -309,24 +251,6 @@ def test_decode_round_captures_its_bucket_when_long_enough(tiny_shipped):
         else:
             assert eager_round == 0 and captured, rounds
     assert any(new and steps >= CAPTURE_STEPS for new, steps, _, _ in rounds), rounds
-
-
-def test_prefill_length_groups_bound_the_padding():
-    """Mixed prompt lengths are prefilled in groups whose padded size is at most 1.25 x their real tokens."""
-    import random
-
-    from glmasr.engine.model_runner import length_groups
-
-    rng = random.Random(0)
-    for _ in range(50):
-        lengths = [rng.randint(20, 400) for _ in range(rng.randint(1, 128))]
-        groups = length_groups(lengths)
-        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # each prompt exactly once
-        for g in groups:
-            real = sum(lengths[i] for i in g)
-            assert len(g) * max(lengths[i] for i in g) <= 1.25 * real or len(g) == 1
-    assert length_groups([100, 100, 100]) == [[0, 1, 2]]
-    assert length_groups([10, 400]) == [[1], [0]]
 
 
 _COMPILE_AHEAD_PROBE = r"""
@@ -367,18 +291,62 @@ def test_compile_ahead_covers_the_warmup(tiny_shipped, tmp_path):
     assert out["compiled_after"] == [], out
 
 
-def test_prefill_option_is_checked():
+def test_engine_options_are_checked():
+    """Only what users set is an option; the removed switches are refused by name."""
+    import dataclasses
+
     from glmasr.options import EngineOptions
 
-    with pytest.raises(ValueError, match=r"prefill must be one of \('packed', 'padded'\), got 'pad'"):
-        EngineOptions(prefill="pad")
-    with pytest.raises(ValueError, match="decode_step"):
-        EngineOptions(decode_step="megakernel")
-    with pytest.raises(ValueError, match="prefill must be one of"):
-        EngineOptions.from_env({"GLMASR_PREFILL": "flash"})
-    assert EngineOptions.from_env({"GLMASR_PREFILL": "padded"}).prefill == "padded"
+    assert [f.name for f in dataclasses.fields(EngineOptions)] == [
+        "max_batch", "sync_every", "encoder_chunk", "max_prefill_tokens", "batch_invariant"]
+    for removed in ("prefill", "decode_step", "decode_gemm", "cuda_graphs", "prefill_graphs", "encoder_graphs", "pdl",
+                    "weights_reader"):
+        with pytest.raises(TypeError, match=f"unknown engine option '{removed}'"):
+            EngineOptions.from_env({}, **{removed: "x"})
     assert EngineOptions.from_env({"GLMASR_BATCH_INVARIANT": "1"}).batch_invariant is True
     with pytest.raises(ValueError, match="GLMASR_BATCH_INVARIANT must be 0 or 1"):
         EngineOptions.from_env({"GLMASR_BATCH_INVARIANT": "yes"})
     with pytest.raises(ValueError, match="batch_invariant must be True or False"):
         EngineOptions(batch_invariant=1)
+
+
+def test_expired_requests_are_dropped_between_steps(tiny_asr):
+    """``Engine.expire(now)`` aborts the requests past their deadline, running (its slot freed and refilled) or
+    queued; the others get the reference loop's tokens. ``set_deadline`` keeps the earlier of two deadlines."""
+    reqs = requests_for(tiny_asr)
+    ref = greedy_generate(tiny_asr.model, reqs, tiny_asr.config.text.eos_token_ids)
+    engine = poisoned_engine(tiny_asr.model, max_batch=3, sync_every=4)
+    deadlines = {1: 100.0, 5: 100.0}  # request 1 runs from the first step, 5 waits for a slot (max_batch 3)
+    ids = [engine.add_request(prompt_embeds=[r.prompt_embeds], max_new_tokens=[r.max_new_tokens],
+                              deadline=deadlines.get(i), timeout_s=1.5 if i in deadlines else None, priority=i)
+           for i, r in enumerate(reqs)]
+    assert [engine.scheduler.requests[rid].priority for rid in ids] == list(range(len(reqs)))
+    assert engine.set_deadline(ids[3], 300.0, 9.0) and engine.set_deadline(ids[3], 200.0, 4.0)
+    assert engine.set_deadline(ids[3], 250.0, 5.0)  # later than 200: 200 stays
+    tokens = {rid: [] for rid in ids}
+    results = {}
+
+    def take(outs):
+        for out in outs:
+            tokens[out.request_id] += out.tokens
+            if out.finish_reason is not None:
+                results[out.request_id] = (tokens[out.request_id], out.finish_reason)
+
+    take(engine.step())
+    assert engine.expire(now=99.0) == []
+    running_slot = engine.scheduler.requests[ids[1]].sequences[0].slot
+    assert running_slot is not None and ids[5] not in {s.request_id for s in engine.scheduler.slots if s}
+    assert sorted(engine.expire(now=100.0)) == [(ids[1], 1.5, "running"), (ids[5], 1.5, "queued")]
+    assert engine.scheduler.slots[running_slot] is None
+    assert ids[1] not in engine.scheduler.requests and not engine.set_deadline(ids[1], 1.0)
+    assert engine.expire(now=199.0) == []
+    take(engine.step())
+    stage = "running" if engine.scheduler.requests[ids[3]].running else "queued"  # budget 17: not done yet
+    assert engine.expire(now=200.0) == [(ids[3], 4.0, stage)]
+    while engine.has_unfinished():
+        take(engine.step())
+    dropped = {ids[1], ids[3], ids[5]}
+    assert set(results) == set(ids) - dropped
+    for i, rid in enumerate(ids):
+        if rid not in dropped:
+            assert results[rid] == (ref[i].token_ids, ref[i].finish_reason), f"request {i} differs"

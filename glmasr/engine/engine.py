@@ -6,6 +6,7 @@
         for out in engine.step():            # one scheduling round
             ...                              # SequenceOutput: new tokens of one group, finish reason
     engine.abort(rid)                        # frees its slots at the next step
+    for rid, timeout_s, stage in engine.expire(time.monotonic()): ...   # between steps: abort the late ones
 
 A step (1) enqueues encoder work for sequences the free slots will take (``Scheduler.next_encode``), (2) waits
 for the previous round's read-back and turns it into outputs, freeing finished slots, (3) prefills ready
@@ -73,11 +74,14 @@ class Engine:
     # ---- requests ----
     def add_request(self, plans=None, *, prompt_embeds: list[torch.Tensor] | None = None,
                     max_new_tokens: list[int] | None = None, ignore_eos: bool = False,
-                    repetition_stop: int | None = None, request_id: int | None = None) -> int:
+                    repetition_stop: int | None = None, request_id: int | None = None,
+                    deadline: float | None = None, timeout_s: float | None = None, priority: int = 0) -> int:
         """Queue one request: window groups to encode (``plans``, from ``pipeline.plan_audio``), or prompts
         already embedded (``prompt_embeds`` with their ``max_new_tokens``). Checked here, before any work.
         ``repetition_stop``: end a sequence stuck repeating an n-gram (``repetition.is_stuck``) with
-        finish_reason "repetition"."""
+        finish_reason "repetition". ``deadline``: a ``time.monotonic()`` instant after which ``expire`` drops
+        it (``timeout_s``: the timeout it came from, for the caller's error). ``priority``: carried on the
+        request (admission is in arrival order for now)."""
         rid = next(self._ids) if request_id is None else request_id
         seqs = []
         if plans is not None:
@@ -100,7 +104,8 @@ class Engine:
             if s.prompt_len + s.max_new_tokens > self.max_positions:
                 raise ValueError(f"request {rid}, group {s.index} needs {s.prompt_len + s.max_new_tokens} positions "
                                  f"(prompt + max_new_tokens), more than the model's {self.max_positions}")
-        self.scheduler.add(RequestState(rid, seqs, len(seqs), {"added": time.perf_counter(), "encodes": []}))
+        self.scheduler.add(RequestState(rid, seqs, len(seqs), {"added": time.perf_counter(), "encodes": []},
+                                        deadline=deadline, timeout_s=timeout_s, priority=priority))
         return rid
 
     def abort(self, request_id: int) -> bool:
@@ -108,6 +113,21 @@ class Engine:
         known = request_id in self.scheduler.requests
         self.runner.deactivate(self.scheduler.abort(request_id))
         return known
+
+    def set_deadline(self, request_id: int, deadline: float, timeout_s: float | None = None) -> bool:
+        """Give a queued or running request a deadline (``time.monotonic()``; an earlier one it has stays).
+        False if it is not in the engine (finished, aborted or unknown)."""
+        return self.scheduler.set_deadline(request_id, deadline, timeout_s)
+
+    def expire(self, now: float | None = None) -> list[tuple[int, float | None, str]]:
+        """Abort every request past its deadline, waiting or running (its slots freed on the device, as
+        ``abort`` does); returns (request_id, timeout_s, "queued" | "running") for each. Called between steps."""
+        now = time.monotonic() if now is None else now
+        out = []
+        for req in self.scheduler.expired(now):
+            out.append((req.request_id, req.timeout_s, "running" if req.running else "queued"))
+            self.abort(req.request_id)
+        return out
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight

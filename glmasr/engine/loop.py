@@ -6,18 +6,25 @@ submit requests to it and iterate their streams.
     for out in stream: ...                             # SequenceOutputs of this request, then it ends
     async for out in stream: ...                       # the same from a coroutine
     stream.close()                                     # or loop.abort(stream.request_id): frees its slots
+    stream = loop.submit(plans, deadline=time.monotonic() + 5, timeout_s=5)   # the engine enforces it
+    stream.set_timeout(2.0)                            # a deadline from now (an earlier one stays)
 
 The loop sleeps while there is nothing to do. Each iteration takes the new requests and aborts, then runs one
 ``Engine.step`` and hands each output to its request's stream. A request the engine refuses (``add_request``
 raises) fails alone, with that error, on its stream. An error inside a step (a device fault) fails every request
 in the engine with an ``EngineError`` carrying the cause, and the engine is reset so that later requests run.
+Between rounds the loop aborts the requests past their deadline (``Engine.expire``), queued or running; their
+streams end with a ``RequestTimeoutError`` naming the timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import math
+import numbers
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 
@@ -32,6 +39,28 @@ class EngineError(RuntimeError):
 
 class EngineClosed(RuntimeError):
     """The engine loop was shut down."""
+
+
+class RequestTimeoutError(TimeoutError):
+    """A request did not finish within its timeout; the engine dropped it (its slots are free again)."""
+
+
+def check_timeout(timeout, name: str = "timeout") -> float | None:
+    """``timeout`` as float seconds (None: no limit); a clear error for anything but a positive finite number."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds or None, got {type(timeout).__name__}")
+    t = float(timeout)
+    if not math.isfinite(t) or t <= 0:
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {timeout!r}")
+    return t
+
+
+def check_priority(priority) -> int:
+    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+        raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+    return int(priority)
 
 
 _END = object()
@@ -125,6 +154,13 @@ class RequestStream:
                 self._waiters.append((asyncio.get_running_loop(), fut))
             await fut
 
+    def set_timeout(self, timeout: float) -> None:
+        """The engine ends this request with a ``RequestTimeoutError`` if it has not finished ``timeout`` s from
+        now (an earlier deadline it has stays). Nothing happens once the engine is done with it."""
+        timeout = check_timeout(timeout)
+        if not self.finished:
+            self._loop.set_deadline(self.request_id, time.monotonic() + timeout, timeout)
+
     def close(self) -> None:
         """Stop consuming: an unfinished request is aborted (its slots are freed at the next round)."""
         if not self.finished:
@@ -138,6 +174,12 @@ class RequestStream:
         self.close()
 
 
+def _timeout_error(rid: int, timeout_s: float | None, stage: str) -> RequestTimeoutError:
+    limit = f"its timeout of {timeout_s:g} s" if timeout_s is not None else "its deadline"
+    where = "while decoding" if stage == "running" else "before it got a slot (queued)"
+    return RequestTimeoutError(f"request {rid} did not finish within {limit}: the engine dropped it {where}")
+
+
 def _wake(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -149,6 +191,7 @@ class EngineLoop:
         self._cv = threading.Condition()
         self._inbox: deque = deque()
         self._aborts: set[int] = set()
+        self._deadlines: dict[int, tuple[float, float | None]] = {}  # set after submission, for the next round
         self._streams: dict[int, RequestStream] = {}
         self._calls: deque = deque()  # (fn, Future): run on this thread once the engine is idle
         self._ids = itertools.count()
@@ -158,7 +201,11 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, plans=None, *, ignore_eos: bool = False, prompt_embeds=None, max_new_tokens=None,
-               repetition_stop: int | None = None) -> RequestStream:
+               repetition_stop: int | None = None, deadline: float | None = None, timeout_s: float | None = None,
+               priority: int = 0) -> RequestStream:
+        """Queue a request (``Engine.add_request``'s arguments); returns its stream at once. ``deadline``: a
+        ``time.monotonic()`` instant after which the engine drops it and the stream ends with a
+        ``RequestTimeoutError`` naming ``timeout_s``."""
         with self._cv:
             if self._closed:
                 raise EngineClosed("the engine loop is shut down")
@@ -166,9 +213,25 @@ class EngineLoop:
             stream = RequestStream(rid, self)
             self._streams[rid] = stream
             self._inbox.append((rid, dict(plans=plans, ignore_eos=ignore_eos, prompt_embeds=prompt_embeds,
-                                          max_new_tokens=max_new_tokens, repetition_stop=repetition_stop)))
+                                          max_new_tokens=max_new_tokens, repetition_stop=repetition_stop,
+                                          deadline=deadline, timeout_s=timeout_s, priority=priority)))
             self._cv.notify()
         return stream
+
+    def set_deadline(self, request_id: int, deadline: float, timeout_s: float | None = None) -> None:
+        """Give a submitted request a deadline (``time.monotonic()``; an earlier one it has stays)."""
+        with self._cv:
+            if request_id not in self._streams:
+                return  # already ended
+            for rid, kwargs in self._inbox:  # not yet in the engine (e.g. held back behind a call)
+                if rid == request_id:
+                    if kwargs["deadline"] is None or deadline < kwargs["deadline"]:
+                        kwargs["deadline"], kwargs["timeout_s"] = deadline, timeout_s
+                    return
+            old = self._deadlines.get(request_id)
+            if old is None or deadline < old[0]:
+                self._deadlines[request_id] = (deadline, timeout_s)
+            self._cv.notify()
 
     def abort(self, request_id: int) -> None:
         with self._cv:
@@ -194,7 +257,8 @@ class EngineLoop:
             return len(self._streams)
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish the requests in hand, then stop the thread; later submits raise ``EngineClosed``."""
+        """Finish the requests in hand, then stop the thread (which then lets go of the engine); later submits
+        raise ``EngineClosed``."""
         with self._cv:
             self._closed = True
             self._cv.notify()
@@ -209,15 +273,17 @@ class EngineLoop:
             torch.cuda.set_device(device)
         while True:
             with self._cv:
-                while (not self._inbox and not self._aborts and not self._calls and not engine.has_unfinished()
-                       and not self._closed):
+                while (not self._inbox and not self._aborts and not self._calls and not self._deadlines
+                       and not engine.has_unfinished() and not self._closed):
                     self._cv.wait()
                 if self._closed and not self._inbox and not self._calls and not engine.has_unfinished():
+                    self.engine = None  # streams outlive the loop: they must not keep the model alive
                     return
                 call = self._calls.popleft() if self._calls and not engine.has_unfinished() else None
-                inbox, aborts = deque(), set()
+                inbox, aborts, deadlines = deque(), set(), {}
                 if call is None:  # (aborts and requests that came meanwhile wait for the next iteration)
                     aborts, self._aborts = self._aborts, set()
+                    deadlines, self._deadlines = self._deadlines, {}
                     if not self._calls:  # a pending call waits for an idle engine: hold new requests back
                         inbox, self._inbox = self._inbox, deque()
             if call is not None:
@@ -238,6 +304,10 @@ class EngineLoop:
             for rid in aborts:
                 engine.abort(rid)
                 self._end(rid, _END)
+            for rid, (deadline, timeout_s) in deadlines.items():
+                engine.set_deadline(rid, deadline, timeout_s)  # False: it has ended meanwhile
+            for rid, timeout_s, stage in engine.expire(time.monotonic()):
+                self._end(rid, _timeout_error(rid, timeout_s, stage))
             if not engine.has_unfinished():
                 continue
             try:

@@ -11,6 +11,10 @@ RUNNING (in a slot) -> finished. Per step the scheduler picks
 - the decode round: how many steps until the next read-back (at most ``sync_every``, never past every running
   budget) over the first ``b`` slots, from its mirror of each slot's position and remaining budget, so the host
   never reads the GPU to plan.
+
+A request may carry a ``deadline`` (a ``time.monotonic()`` instant): ``expired(now)`` names the requests past
+theirs, waiting or running, and the engine aborts them between rounds like any abort. ``priority`` rides along
+for callers that will rank requests; admission does not look at it yet (arrival order).
 """
 
 from __future__ import annotations
@@ -48,6 +52,14 @@ class RequestState:
     sequences: list[Sequence]
     unfinished: int
     timing: dict = field(default_factory=dict)  # filled by the engine (added, encoder events, ...)
+    deadline: float | None = None  # time.monotonic() instant after which the engine aborts it
+    timeout_s: float | None = None  # the timeout that deadline came from (named in the error)
+    priority: int = 0  # carried for callers that rank requests; the scheduler does not use it yet
+
+    @property
+    def running(self) -> bool:
+        """Some sequence of it holds a slot."""
+        return any(s.slot is not None for s in self.sequences)
 
 
 class Scheduler:
@@ -84,6 +96,19 @@ class Scheduler:
                 freed.append(s.slot)
             s.slot = None
         return freed
+
+    def set_deadline(self, request_id: int, deadline: float, timeout_s: float | None) -> bool:
+        """Give a request a deadline (an earlier existing one stays); False if it is not here."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if req.deadline is None or deadline < req.deadline:
+            req.deadline, req.timeout_s = deadline, timeout_s
+        return True
+
+    def expired(self, now: float) -> list[RequestState]:
+        """The requests whose deadline is at or before ``now`` (still here: the caller aborts them)."""
+        return [r for r in self.requests.values() if r.deadline is not None and r.deadline <= now]
 
     def clear(self) -> list[RequestState]:
         """Forget everything (after a device error); returns the requests that were in the engine."""
