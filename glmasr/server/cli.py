@@ -1,7 +1,8 @@
 """``glmasr serve`` (also ``python -m glmasr.server``): load a checkpoint, warm it up, serve it with uvicorn.
 
-SIGTERM or SIGINT: the listening socket closes, the requests in flight finish (up to ``--drain-timeout`` s; streams
-included), the engine stops, and the process exits with status 0.
+SIGTERM or SIGINT: the listening socket closes, uploads still arriving are refused at once (a 503 in the envelope),
+the admitted requests finish (up to ``--drain-timeout`` s; streams included), the engine stops, and the process exits
+with status 0.
 
 ``--data-parallel N [--devices cuda:0,cuda:1,...]``: this process is the front end (HTTP, decoding, limits,
 streaming, metrics) and N engine worker processes each own one loaded model (``data_parallel.py``); devices
@@ -14,6 +15,34 @@ import argparse
 import sys
 
 
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {'whole ' if kind is int else ''}number, got {text!r}")
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+        return value
+    return parse
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"a port is a whole number in 0..65535, got {text!r}")
+    return int(text)
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="glmasr serve",
                                 description="OpenAI-compatible transcription server (POST /v1/audio/transcriptions)")
@@ -24,30 +53,48 @@ def build_parser() -> argparse.ArgumentParser:
                    help="another name clients may send as `model` (repeatable); always served: glm-asr-nano-2512 "
                         "and the checkpoint folder's name")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0 = any free port)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $GLMASR_API_KEY, else none)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--data-parallel", type=int, default=None, metavar="N",
                    help="N engine worker processes, one model each (one per GPU), behind this front end")
-    p.add_argument("--worker-timeout", type=float, default=120.0, metavar="S",
+    p.add_argument("--worker-timeout", type=_non_negative, default=120.0, metavar="S",
                    help="with --data-parallel: a worker whose engine makes no step for S seconds while it holds "
                         "requests is killed (its requests get a 503) and restarted (default 120; 0 = never)")
     p.add_argument("--devices", default=None, metavar="LIST",
                    help="the workers' devices with --data-parallel, comma-separated (default cuda:0..N-1; cpu "
                         "allowed, repeats allowed: cuda:0,cuda:0 runs two engines on one GPU)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on cuda, fp32 on cpu)")
-    p.add_argument("--max-batch", type=int, default=None, help="engine sequence slots (default 64 on CUDA, 8 on CPU)")
-    p.add_argument("--max-upload-mb", type=float, default=25.0, help="largest upload in MiB (default 25)")
-    p.add_argument("--max-audio-s", type=float, default=3600.0,
+    p.add_argument("--max-batch", type=_positive(int), default=None,
+                   help="engine sequence slots (default 64 on CUDA, 8 on CPU)")
+    p.add_argument("--max-upload-mb", type=_positive(float), default=25.0, help="largest upload in MiB (default 25)")
+    p.add_argument("--max-audio-s", type=_non_negative, default=3600.0,
                    help="longest decoded audio per request in seconds (default 3600; 0 = no limit)")
-    p.add_argument("--max-queue", type=int, default=None,
-                   help="requests inside the server at once (reading, decoding, queued, running); one more gets a "
-                        "429 (default 4 x max-batch)")
+    p.add_argument("--max-queue", type=_positive(int), default=None,
+                   help="requests admitted to transcription at once (decoding, queued, running; uploads still "
+                        "arriving are not counted); one more gets a 429 (default 4 x max-batch)")
+    p.add_argument("--max-uploads", type=_positive(int), default=256,
+                   help="request bodies being received at once (each spooled to disk past 1 MiB); one more gets a "
+                        "503 (default 256)")
+    p.add_argument("--max-connections", type=_positive(int), default=1024,
+                   help="open connections; beyond, uvicorn answers 503 (default 1024)")
+    p.add_argument("--header-timeout", type=_positive(float), default=10.0, metavar="S",
+                   help="seconds a connection has to send a complete request line and headers, from its opening or "
+                        "from the first byte of its next request (default 10); then it is closed")
+    p.add_argument("--read-timeout", type=_positive(float), default=15.0, metavar="S",
+                   help="longest pause while receiving a request body (default 15): then a 408")
+    p.add_argument("--upload-timeout", type=_positive(float), default=300.0, metavar="S",
+                   help="longest time to receive a whole request body (default 300): then a 408")
+    p.add_argument("--keep-alive-timeout", type=_positive(float), default=5.0, metavar="S",
+                   help="an idle connection between requests is closed after S seconds (default 5)")
+    p.add_argument("--request-timeout", type=_non_negative, default=0.0, metavar="S",
+                   help="a transcription still unfinished S seconds after it was admitted is stopped by the engine "
+                        "(its slots freed) and answered with a 504 (default 0: no limit)")
     p.add_argument("--warmup", choices=("full", "request", "none"), default="full",
                    help="before /health reports ok: every kernel and graph (full, default), one short request, or "
                         "nothing")
-    p.add_argument("--drain-timeout", type=float, default=60.0,
+    p.add_argument("--drain-timeout", type=_non_negative, default=60.0,
                    help="seconds in-flight requests may take to finish after SIGTERM (default 60)")
     p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     return p
@@ -56,9 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - the serve extra is installed (else the message below)
 
         from .app import MIB, ServerConfig, create_app, served_names
+        from .http import HttpLimits, uvicorn_config
     except ImportError as e:
         print(f"error: the server needs the serve extra (pip install 'glmasr[serve]'): {e}", file=sys.stderr)
         return 2
@@ -78,9 +126,13 @@ def main(argv: list[str] | None = None) -> int:
         extra = list(args.served_model_name)
         if args.model not in (None, "tiny-random"):
             extra.append(args.model)
+        limits = HttpLimits(header_timeout_s=args.header_timeout, read_timeout_s=args.read_timeout,
+                            upload_timeout_s=args.upload_timeout, keep_alive_s=args.keep_alive_timeout,
+                            max_connections=args.max_connections, max_uploads=args.max_uploads)
         config = ServerConfig(served_names=served_names(engine, extra), api_key=api_key,
                               max_upload_bytes=int(args.max_upload_mb * MIB), max_audio_s=args.max_audio_s or None,
-                              max_queue=args.max_queue, warmup=args.warmup)
+                              max_queue=args.max_queue, request_timeout_s=args.request_timeout or None,
+                              limits=limits, warmup=args.warmup)
     except (glmasr.CheckpointError, glmasr.ConfigError, glmasr.TokenizerError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -89,11 +141,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"serving {engine.folder} on {where} as {', '.join(config.served_names)} at "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     app = create_app(engine, config)
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                    timeout_graceful_shutdown=args.drain_timeout, lifespan="on"),
-                     on_exit=engine.stop_restarts if data_parallel else None)
+
+    def on_exit():
+        app.state.begin_drain()
+        if data_parallel:
+            engine.stop_restarts()
+
+    server = _Server(uvicorn_config(app, args.host, args.port, limits, log_level=args.log_level,
+                                    log_config=_log_config(args.log_level),
+                                    timeout_graceful_shutdown=args.drain_timeout, lifespan="on"), on_exit=on_exit)
     server.run()
     return 0 if server.started or server.should_exit else 1
+
+
+def _log_config(level: str) -> dict:
+    """uvicorn's logging set-up, with the server's own logger (``glmasr``: one line per event, e.g. a client gone
+    mid-upload, a refused request head) on the same handler and level."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["glmasr"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return config
 
 
 def _data_parallel_client(args, model):

@@ -8,7 +8,8 @@
     async for d in request.adeltas(): ...   # TranscriptDeltas (stream=True), the last one with the Transcription
     request.abort()                # frees its engine slots (idempotent; a no-op once it finished)
 
-Errors a request can raise, and what the server answers: ``EngineClosed`` (shutting down, 503), ``EngineUnavailable``
+Errors a request can raise, and what the server answers: ``RequestTimeoutError`` (past its timeout, the engine
+stopped it: 504), ``EngineClosed`` (shutting down, 503), ``EngineUnavailable``
 (no engine can take it, or the engine process serving it died: 503; ``code`` says which), ``EngineError`` (the
 engine failed while running it: 500), ``RuntimeError`` (aborted underneath, e.g. shutdown: 503), ``AudioError`` /
 ``ValueError`` from ``started`` (the audio or the prompt cannot be planned: 400).
@@ -66,7 +67,8 @@ class EngineClient:
     slots: int
 
     def submit(self, audio, decode: DecodeOptions, t_start: float, audio_ms: float = 0.0, pieces=None,
-               stream: bool = False) -> EngineRequest:
+               stream: bool = False, timeout: float | None = None) -> EngineRequest:
+        """``timeout``: seconds after which the engine aborts the request (``RequestTimeoutError``); None: none."""
         raise NotImplementedError
 
     def warmup(self, mode: str) -> dict:
@@ -152,8 +154,9 @@ class LocalEngineClient(EngineClient):
     def slots(self) -> int:
         return self.asr.options.max_batch
 
-    def submit(self, audio, decode, t_start, audio_ms=0.0, pieces=None, stream=False) -> LocalRequest:
-        return LocalRequest(self.asr.submit_loaded(audio, decode, 0, t_start, audio_ms, pieces=pieces), stream)
+    def submit(self, audio, decode, t_start, audio_ms=0.0, pieces=None, stream=False, timeout=None) -> LocalRequest:
+        return LocalRequest(self.asr.submit_loaded(audio, decode, 0, t_start, audio_ms, pieces=pieces,
+                                                   timeout=timeout), stream)
 
     def warmup(self, mode: str) -> dict:
         if mode not in WARMUPS:

@@ -12,7 +12,8 @@
 | glmasr_request_latency_seconds{stream} | histogram | request received -> last byte of the answer produced |
 
 Outcomes: ok, bad_request, unauthorized, not_found, too_large, rejected (queue full), unavailable (warming up,
-shutting down, or the engine worker holding it died), aborted (the client went away), error.
+shutting down, too many uploads, or the engine worker holding it died), timed_out (an upload too slow: 408; a
+transcription past --request-timeout: 504), aborted (the client went away), error.
 
 With engine worker processes (``--data-parallel``), per worker, labels ``worker`` (its slot: 0..N-1) and
 ``device`` (as given in ``--devices``), read from the engine client at each scrape:
@@ -35,14 +36,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-OUTCOMES = ("ok", "bad_request", "unauthorized", "not_found", "too_large", "rejected", "unavailable", "aborted",
-            "error")
+OUTCOMES = ("ok", "bad_request", "unauthorized", "not_found", "too_large", "rejected", "unavailable", "timed_out",
+            "aborted", "error")
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 def outcome_for(status: int) -> str:
-    return {400: "bad_request", 401: "unauthorized", 404: "not_found", 413: "too_large", 429: "rejected",
-            503: "unavailable"}.get(status, "error" if status >= 500 else "bad_request")
+    return {400: "bad_request", 401: "unauthorized", 404: "not_found", 408: "timed_out", 413: "too_large",
+            429: "rejected", 503: "unavailable", 504: "timed_out"}.get(status, "error" if status >= 500 else
+                                                                         "bad_request")
 
 
 class Metrics:

@@ -17,7 +17,9 @@ Request fields (multipart/form-data, as the ``openai`` client sends them: list f
   in ``prompt``. Without it ``verbose_json`` reports ``"unknown"`` (the engine does no language identification).
 - ``temperature``: absent or 0 = greedy decoding, the only decoding the engine implements; any other value is a 400.
 - ``response_format``: ``json`` (default), ``text``, ``srt``, ``vtt``, ``verbose_json``.
-- ``timestamp_granularities[]``: ``segment`` (needs ``verbose_json``); ``word`` is a 400 until word times exist.
+- ``timestamp_granularities[]``: ``segment`` is accepted with every format (as OpenAI does; only
+  ``verbose_json`` carries segments); ``word`` needs ``verbose_json`` (a 400 otherwise, as OpenAI answers) and is a
+  400 until word times exist.
 - ``stream``: "true" sends server-sent events (``transcript.text.delta`` ..., ``transcript.text.done``,
   ``[DONE]``); with ``response_format`` json or text only.
 - ``chunking_strategy``: left out = the reference segmentation (non-overlapping 30 s windows packed into prompts of
@@ -51,6 +53,7 @@ RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 DEFAULT_MODEL_NAME = "glm-asr-nano-2512"
 MAX_PROMPT_CHARS = 4000
 MAX_KEYWORDS = 100
+MAX_CHUNKING_CHARS = 1024  # a chunking_strategy object has four short fields
 
 # ISO 639-1 (the two-letter codes)
 ISO_639_1 = frozenset("""
@@ -101,9 +104,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = "inva
 
 @dataclass
 class TranscriptionRequest:
-    """A validated request (the file still undecoded)."""
+    """A validated request (the file still undecoded: ``file`` is the spooled upload, a binary file object of
+    ``size`` bytes, which the caller closes)."""
 
-    data: bytes
+    file: object
+    size: int
     filename: str
     model: str
     prompt: str | None = None
@@ -151,8 +156,8 @@ def _bool_field(form, name: str) -> bool:
     raise bad_request(f"{name} must be true or false, got {raw!r}", name, "invalid_type")
 
 
-def parse_form(form, file_data: bytes, filename: str) -> TranscriptionRequest:
-    """Validate every field but the file's content (the caller has read ``file_data`` from ``form['file']``)."""
+def parse_form(form, file, size: int, filename: str) -> TranscriptionRequest:
+    """Validate every field but the file's content (``file``: the upload's binary file object, ``size`` bytes)."""
     for key in form.keys():
         if key in _UNSUPPORTED_FIELDS:
             raise bad_request(_UNSUPPORTED_FIELDS[key], key, "unsupported_parameter")
@@ -201,21 +206,21 @@ def parse_form(form, file_data: bytes, filename: str) -> TranscriptionRequest:
                           "response_format")
     granularities = _list_field(form, "timestamp_granularities[]")
     for g in granularities:
-        if g == "word":
-            raise bad_request("timestamp_granularities[]=word is not supported yet: the engine has no word "
-                              "timestamps; use segment", "timestamp_granularities", "unsupported_value")
-        if g != "segment":
-            raise bad_request(f"timestamp_granularities[] entries must be 'segment' (or 'word', not supported yet), "
-                              f"got {g!r}", "timestamp_granularities")
-    if granularities and response_format != "verbose_json":
-        raise bad_request("timestamp_granularities[] needs response_format=verbose_json",
-                          "timestamp_granularities")
+        if g not in ("segment", "word"):
+            raise bad_request(f"timestamp_granularities[] entries must be 'segment' or 'word', got {g!r}",
+                              "timestamp_granularities")
+    if "word" in granularities:
+        if response_format != "verbose_json":
+            raise bad_request("timestamp_granularities[]=word needs response_format=verbose_json",
+                              "timestamp_granularities")
+        raise bad_request("timestamp_granularities[]=word is not supported yet: the engine has no word "
+                          "timestamps; use segment", "timestamp_granularities", "unsupported_value")
     stream = _bool_field(form, "stream")
     if stream and response_format not in ("json", "text"):
         raise bad_request(f"stream=true sends transcript.text events; response_format={response_format} cannot be "
                           "streamed (use json or text, or stream=false)", "stream", "unsupported_value")
     vad = _chunking(form)
-    return TranscriptionRequest(data=file_data, filename=filename, model=model.strip(), prompt=prompt,
+    return TranscriptionRequest(file=file, size=size, filename=filename, model=model.strip(), prompt=prompt,
                                 keywords=keywords, language=language, response_format=response_format,
                                 stream=stream, granularities=granularities, vad=vad)
 
@@ -234,9 +239,12 @@ def _chunking(form) -> dict | None:
         if fields:
             raise bad_request("send chunking_strategy either as one field or as chunking_strategy[...] fields",
                               "chunking_strategy")
+        if len(raw) > MAX_CHUNKING_CHARS:
+            raise bad_request(f"chunking_strategy is {len(raw)} characters; at most {MAX_CHUNKING_CHARS} are "
+                              "accepted", "chunking_strategy")
         try:
             decoded = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON (a bare "auto"), or nested deeper than the parser goes
             decoded = raw
         if decoded == "auto":
             return {}

@@ -1,7 +1,7 @@
 """Transcription over an engine client (``engine_client.py``: the shared in-process ``GlmAsr`` engine, or the
 engine worker processes of ``--data-parallel``), for the HTTP layer (``app.py``).
 
-Per request: admission into a bounded set of in-flight requests (``Admission``; full = 429), the upload decoded
+Per request: admission into a bounded set of in-flight requests (``admission``; full = 429), the upload decoded
 with the duration limit enforced while decoding (``decode_upload``), planned and submitted to the engine, all of it
 in a worker thread (``asyncio.to_thread``; the event loop never decodes or plans), then the engine's outputs
 consumed with the async API (``request.aresult()`` / ``request.adeltas()``). A client that goes away aborts its
@@ -16,8 +16,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..audio import Audio, AudioDecodeError, AudioError, AudioTooLongError, decode_audio_bytes
-from ..engine.loop import EngineClosed, EngineError
+from ..audio import Audio, AudioDecodeError, AudioError, AudioTooLongError, decode_audio_file
+from ..engine.loop import EngineClosed, EngineError, RequestTimeoutError
 from ..options import DecodeOptions
 from . import protocol
 from .engine_client import EngineRequest, EngineUnavailable
@@ -25,14 +25,15 @@ from .metrics import Metrics
 from .protocol import APIError, TranscriptionRequest, bad_request
 
 
-def decode_upload(data: bytes, filename: str, max_audio_s: float | None) -> Audio:
-    """Upload bytes -> 16 kHz mono ``Audio`` through the package's decoder (``audio.decode_audio_bytes``: the format
-    from the bytes, the duration limit checked against the header and then while decoding), so an upload gives
-    exactly what ``load_audio`` gives for the same file. A truncated or damaged upload is refused (it was likely
-    cut in transit) rather than transcribed short. Its typed errors become the envelope: ``audio_too_long`` a 413,
-    the rest (empty_file, invalid_audio, unsupported_format) a 400, all with ``param`` "file"."""
+def decode_upload(file, filename: str, max_audio_s: float | None) -> Audio:
+    """The spooled upload -> 16 kHz mono ``Audio`` through the package's decoder (``audio.decode_audio_file``: the
+    format from the bytes, sample rate, channels and duration bounded before and while decoding, memory bounded by
+    the decoded 16 kHz samples), so an upload gives exactly what ``load_audio`` gives for the same file. A truncated
+    or damaged upload is refused (it was likely cut in transit) rather than transcribed short. Its typed errors
+    become the envelope: ``audio_too_long`` a 413, the rest (empty_file, invalid_audio, unsupported_format,
+    unsupported_audio) a 400, all with ``param`` "file"."""
     try:
-        return decode_audio_bytes(data, f"file {filename!r}", max_audio_s or None, allow_truncated=False)
+        return decode_audio_file(file, f"file {filename!r}", max_audio_s or None, allow_truncated=False)
     except AudioTooLongError as e:
         raise APIError(413, f"{e} (the server's --max-audio-s)", param="file", code=e.code) from None
     except AudioDecodeError as e:
@@ -54,40 +55,63 @@ def vad_pieces(audio: Audio, params: dict) -> list[tuple[float, float]]:
     return merge_regions(regions)
 
 
-class Admission:
-    """At most ``limit`` requests inside the server at once; one more is refused (429), never queued unbounded."""
+class Slots:
+    """At most ``limit`` holders at once; one more is refused with ``refuse(active)`` (an ``APIError``), never queued
+    unbounded. ``gauge(active)`` follows the count (a metric). Used for the requests admitted to the engine
+    (``admission``: --max-queue, a 429) and for the uploads being received (``uploads``: --max-uploads, a 503)."""
 
-    def __init__(self, limit: int, metrics: Metrics):
+    def __init__(self, limit: int, refuse, gauge=None):
         self.limit = limit
         self.active = 0
+        self._refuse = refuse
+        self._gauge = gauge
         self._lock = threading.Lock()
-        self._metrics = metrics
 
     def enter(self) -> "Ticket":
         with self._lock:
             if self.active >= self.limit:
-                raise APIError(429, f"the server has {self.active} requests in flight (its limit, --max-queue); "
-                                    "retry later", type="rate_limit_error", code="queue_full",
-                               headers={"Retry-After": "1"})
+                raise self._refuse(self.active)
             self.active += 1
-            self._metrics.queue_depth.set(self.active)
+            if self._gauge is not None:
+                self._gauge(self.active)
         return Ticket(self)
 
     def _leave(self) -> None:
         with self._lock:
             self.active -= 1
-            self._metrics.queue_depth.set(self.active)
+            if self._gauge is not None:
+                self._gauge(self.active)
+
+
+def admission(limit: int, metrics: Metrics) -> Slots:
+    """Requests admitted to transcription (past their upload) at once: ``--max-queue``; one more is a 429."""
+    return Slots(limit, lambda active: APIError(
+        429, f"the server has {active} requests in flight (its limit, --max-queue); retry later",
+        type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}), metrics.queue_depth.set)
+
+
+def upload_slots(limit: int) -> Slots:
+    """Request bodies being received at once: ``--max-uploads``; one more is a 503."""
+    return Slots(limit, lambda active: APIError(
+        503, f"the server is receiving {active} uploads (its limit, --max-uploads); retry later",
+        type="server_error", code="too_many_uploads", headers={"Retry-After": "1"}))
 
 
 class Ticket:
-    def __init__(self, admission: Admission):
-        self._admission = admission
+    def __init__(self, slots: Slots):
+        self._slots = slots
         self._held = True
 
     def release(self) -> None:
         if self._held:
             self._held = False
-            self._admission._leave()
+            self._slots._leave()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
 
 
 @dataclass
@@ -112,20 +136,29 @@ def _submission_error(e: BaseException) -> APIError | None:
     return None
 
 
+def timed_out(seconds: float | None) -> APIError:
+    return APIError(504, f"the transcription did not finish within the server's request timeout of {seconds:g} s "
+                         "(--request-timeout); it was stopped", type="server_error", code="request_timeout")
+
+
 class TranscriptionService:
-    def __init__(self, engine, metrics: Metrics, max_audio_s: float | None):
+    """``request_timeout_s``: the engine aborts a request still unfinished this long after it was submitted (a 504;
+    None: no limit)."""
+
+    def __init__(self, engine, metrics: Metrics, max_audio_s: float | None, request_timeout_s: float | None = None):
         self.engine = engine  # an EngineClient
         self.metrics = metrics
         self.max_audio_s = max_audio_s
+        self.request_timeout_s = request_timeout_s
 
     def _prepare(self, req: TranscriptionRequest, t0: float) -> Started:
         t_audio = time.perf_counter()
-        audio = decode_upload(req.data, req.filename, self.max_audio_s)
+        audio = decode_upload(req.file, req.filename, self.max_audio_s)
         audio_ms = 1e3 * (time.perf_counter() - t_audio)
         pieces = None if req.vad is None else vad_pieces(audio, req.vad)
         try:
             job = self.engine.submit(audio, DecodeOptions(prompt=req.instruction), t0, audio_ms, pieces,
-                                     req.stream)
+                                     req.stream, timeout=self.request_timeout_s)
         except Exception as e:
             err = _submission_error(e)
             if err is None:
@@ -173,6 +206,8 @@ class TranscriptionService:
                 raise ClientGone()
             try:
                 result = result_task.result()
+            except RequestTimeoutError:
+                raise timed_out(self.request_timeout_s) from None
             except EngineUnavailable as e:  # the engine worker holding it died
                 raise APIError(503, f"transcription failed: {e}", type="server_error", code=e.code,
                                headers={"Retry-After": "1"}) from None
@@ -208,6 +243,9 @@ class TranscriptionService:
             self._account(started, result)
             yield protocol.done_event(result.text, job.prompt_tokens, len(result.token_ids))
             yield protocol.sse("[DONE]")
+        except RequestTimeoutError:
+            e = timed_out(self.request_timeout_s)
+            yield protocol.error_event(e.message, code=e.code)
         except EngineUnavailable as e:
             yield protocol.error_event(f"transcription failed: {e}", code=e.code)
         except EngineError as e:
