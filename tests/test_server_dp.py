@@ -3,7 +3,7 @@
 against a real ``glmasr serve --data-parallel 2 --devices cpu,cpu`` (uvicorn) on 127.0.0.1.
 
 The reference is the single-engine server (``create_app(asr)``) answering the same bytes: every format, stream
-and error must be what it answers. Worker hooks (``engine_worker.py``): ``step_delay`` slows every engine step
+and error must be what it answers. Worker hooks (``workers/process.py``): ``step_delay`` slows every engine step
 while a flag file exists (a request then lasts long enough to be killed or cut off), ``crash_on_prompt`` makes
 a worker ``os._exit`` on that instruction. Every wait is bounded.
 """
@@ -41,6 +41,7 @@ from asgi_client import DisconnectingUpload  # noqa: E402
 from conftest import noise  # noqa: E402
 
 KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}  # /health shows the workers only to a caller with the key
 MODEL = "glm-asr-nano-2512"
 MAGIC = "glmasr-test: crash this worker"
 STEP_DELAY = 0.2
@@ -98,7 +99,7 @@ def single(asr):
     """The single-engine server: the reference."""
     app = create_app(asr, ServerConfig(api_key=KEY, close_engine=False, warmup="none"))
     with TestClient(app, base_url="http://testserver") as tc:
-        wait_for(lambda: tc.get("/health").status_code == 200, 30, "the single-engine server")
+        wait_for(lambda: tc.get("/health", headers=AUTH).status_code == 200, 30, "the single-engine server")
         yield tc
 
 
@@ -108,7 +109,7 @@ class DP:
         self.client = openai.OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=tc, max_retries=0)
 
     def health(self) -> dict:
-        return self.tc.get("/health").json()
+        return self.tc.get("/health", headers=AUTH).json()
 
     def metrics(self) -> str:
         return self.tc.get("/metrics").text
@@ -133,7 +134,7 @@ def dp(tiny_shipped, tmp_path_factory):
     app = create_app(engine, ServerConfig(api_key=KEY, close_engine=False, warmup="request"))
     try:
         with TestClient(app, base_url="http://testserver") as tc:
-            wait_for(lambda: tc.get("/health").status_code == 200, 60, "the engine workers")
+            wait_for(lambda: tc.get("/health", headers=AUTH).status_code == 200, 60, "the engine workers")
             yield DP(tc, engine, flag)
     finally:
         engine.close(timeout=10)
@@ -300,10 +301,10 @@ def test_killed_worker_fails_its_requests_with_503_and_is_restarted(dp, single, 
         t_kill = time.monotonic()
         os.kill(victim["pid"], signal.SIGKILL)
         # while it restarts the server is degraded, not down: the other worker takes every request
-        h = wait_for(lambda: (lambda h: h if h["status"] == "degraded" else None)(dp.tc.get("/health").json()), 5,
+        h = wait_for(lambda: (lambda h: h if h["status"] == "degraded" else None)(dp.tc.get("/health", headers=AUTH).json()), 5,
                      "a degraded health")
         assert [w["state"] for w in h["workers"]] == ["starting", "ready"]
-        assert dp.tc.get("/health").status_code == 200
+        assert dp.tc.get("/health", headers=AUTH).status_code == 200
         outcomes = [f.result(timeout=30) for f in futs]
     failed = [o for o in outcomes if o[0] == "error"]
     assert len(failed) == 2, outcomes
@@ -447,11 +448,11 @@ def test_live_data_parallel_server_serves_and_sigterm_drains_the_workers(tiny_sh
         def healthy():
             assert proc.poll() is None, output()
             try:
-                return http.get("/health").status_code == 200
+                return http.get("/health", headers=AUTH).status_code == 200
             except httpx2.TransportError:
                 return False
         wait_for(healthy, 60, "the live server", 0.1)
-        pids = [w["pid"] for w in http.get("/health").json()["workers"]]
+        pids = [w["pid"] for w in http.get("/health", headers=AUTH).json()["workers"]]
         c = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=60)
         data = clips["d.wav"]
         ref = post(single, {"model": MODEL}, {"file": ("d.wav", data)}).json()["text"]
@@ -504,12 +505,12 @@ def test_two_gpu_workers_sharing_cuda0_equal_the_single_engine_server(tiny_shipp
                     for n in names}
         app = create_app(engine, ServerConfig(api_key=KEY, close_engine=False, warmup="request"))
         with TestClient(app, base_url="http://testserver") as tc:
-            wait_for(lambda: tc.get("/health").status_code == 200, 300, "the GPU engine workers", 0.1)
+            wait_for(lambda: tc.get("/health", headers=AUTH).status_code == 200, 300, "the GPU engine workers", 0.1)
             with ThreadPoolExecutor(len(names)) as pool:
                 got = dict(zip(names, pool.map(
                     lambda n: post(tc, {"model": MODEL, "response_format": "verbose_json"},
                                    {"file": (n, clips[n])}).json(), names)))
-            requests = [w.get("requests", 0) for w in tc.get("/health").json()["workers"]]
+            requests = [w.get("requests", 0) for w in tc.get("/health", headers=AUTH).json()["workers"]]
         for n in names:
             assert got[n]["text"] == want[n]["text"], n
             assert [s["tokens"] for s in got[n]["segments"]] == [s["tokens"] for s in want[n]["segments"]], n
@@ -532,11 +533,11 @@ def test_a_worker_whose_engine_stalls_is_killed_its_requests_get_503_and_it_rest
     ref = post(single, {"model": MODEL}, {"file": ("a.wav", data)}).json()["text"]
     try:
         with TestClient(app, base_url="http://testserver") as tc:
-            wait_for(lambda: tc.get("/health").status_code == 200, 60, "the engine worker")
+            wait_for(lambda: tc.get("/health", headers=AUTH).status_code == 200, 60, "the engine worker")
             client = openai.OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=tc, max_retries=0)
             time.sleep(3.0)  # idle for longer than the timeout: not a stall
-            assert tc.get("/health").json()["workers"][0]["restarts"] == 0
-            pid = tc.get("/health").json()["workers"][0]["pid"]
+            assert tc.get("/health", headers=AUTH).json()["workers"][0]["restarts"] == 0
+            pid = tc.get("/health", headers=AUTH).json()["workers"][0]["pid"]
             flag.write_text("1")
             t0 = time.monotonic()
             with pytest.raises(openai.APIStatusError) as err:
@@ -544,8 +545,8 @@ def test_a_worker_whose_engine_stalls_is_killed_its_requests_get_503_and_it_rest
             flag.unlink()
             assert err.value.status_code == 503 and "no progress" in str(err.value), err.value
             assert time.monotonic() - t0 < 15  # the timeout and one watchdog period, not the 60 s step
-            wait_for(lambda: tc.get("/health").json()["status"] == "ok", 60, "the restarted worker")
-            w = tc.get("/health").json()["workers"][0]
+            wait_for(lambda: tc.get("/health", headers=AUTH).json()["status"] == "ok", 60, "the restarted worker")
+            w = tc.get("/health", headers=AUTH).json()["workers"][0]
             assert w["restarts"] == 1 and w["stalls"] == 1 and w["pid"] != pid
             assert client.audio.transcriptions.create(file=("a.wav", data), model=MODEL).text == ref
     finally:

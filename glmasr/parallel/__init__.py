@@ -1,6 +1,6 @@
-"""Several devices on one machine: one engine process per device, files handed out as workers have room,
-crashed workers' files retried elsewhere (``pool.py``). ``glmasr transcribe --devices`` uses it."""
+"""Several devices on one machine for files (``glmasr transcribe --devices``): a re-export of the files policy of
+``glmasr.workers`` (``workers/files.py``), kept as the public import path."""
 
-from .pool import DevicePool, FileResult, WorkerStartError, parse_devices, transcribe_files
+from ..workers.files import DevicePool, FileResult, WorkerStartError, parse_devices, transcribe_files
 
 __all__ = ["DevicePool", "FileResult", "WorkerStartError", "parse_devices", "transcribe_files"]
