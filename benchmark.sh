@@ -3,11 +3,12 @@
 # and static cache + torch.compile), all in one process on one GPU. Prints tables and writes
 # OUT/benchmark.json (OUT defaults to ./bench_out).   bash benchmark.sh [--only SECTIONS] [--quick] [--no-peers] [--no-compiled-peer]
 # On the H200 through the device tool: bash scripts/device.sh bench [ARGS] (or coldstart, all; see that script).
-# The benchmark programs are in scripts/bench/ (kernels, log-mel, skinny GEMM, latency trace, GPU checks).
+# The benchmark's helpers and the other device programs are in scripts/bench/ (kernels, log-mel, skinny GEMM,
+# latency trace, GPU checks), all run as modules of the scripts package from the checkout root.
 set -euo pipefail
 cd "$(dirname "$0")"
 # On the team's device machine the header wheels travel in .whl/ (see README, Development).
 if [ -d .whl ] && ! python3 -c "import nvidia.mathdx" 2>/dev/null; then
     source scripts/device_env.sh
 fi
-python3 scripts/benchmark.py "$@"
+python3 -m scripts.benchmark "$@"

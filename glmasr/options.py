@@ -7,14 +7,7 @@ Environment variables (each overrides the default; an explicit argument override
 |---|---|---|
 | GLMASR_MAX_BATCH | max_batch | sequence slots of the engine (default 64 on CUDA, 8 on the CPU) |
 | GLMASR_ENCODER_CHUNK | encoder_chunk | 30 s windows per encoder call (default 32 on CUDA, 4 on the CPU) |
-| GLMASR_PREFILL_GRAPHS | prefill_graphs | 0: eager single-request prefill instead of CUDA graphs |
-| GLMASR_ENCODER_GRAPHS | encoder_graphs | 0: eager encoder instead of CUDA graphs |
-| GLMASR_PREFILL | prefill | "packed" (the prompts admitted together in one unpadded pass) or "padded" (per length group) |
-| GLMASR_DECODE_GEMM | decode_gemm | "skinny" (GEMV kernels for the decode step) or "cublas" |
-| GLMASR_DECODE_STEP | decode_step | "persistent" (a batch-1 decode step as one launch over all layers) or "chain" (one kernel per op) |
-| GLMASR_PDL | pdl | 0: no programmatic dependent launch in the decode step |
 | GLMASR_BATCH_INVARIANT | batch_invariant | 1: a request's tokens never depend on the requests beside it (slower; below) |
-| GLMASR_WEIGHTS_READER | weights_reader | "auto", "chunked" or "safe_open" (``weights.load_state_dict``) |
 | GLMASR_AUDIO_THREADS | (``audio_threads()``) | threads that decode and resample long audio (default: the usable CPUs, at most 8) |
 | GLMASR_API_KEY | (``api_key()``) | the key ``glmasr serve`` requires when ``--api-key`` is not given |
 | GLMASR_CACHE_DIR | (``cache_dir()``) | the cache root (default $XDG_CACHE_HOME/glmasr or ~/.cache/glmasr): generated checkpoints; the log-mel cubins in its ``cubins/`` |
@@ -36,17 +29,10 @@ DEFAULT_MAX_BATCH = {"cuda": 64, "cpu": 8}
 DEFAULT_ENCODER_CHUNK = {"cuda": 32, "cpu": 4}
 # Prompt positions prefilled in one forward pass (bounds the prefill's activation memory).
 DEFAULT_MAX_PREFILL_TOKENS = {"cuda": 65536, "cpu": 8192}
-DECODE_GEMMS = ("skinny", "cublas")
-DECODE_STEPS = ("persistent", "chain")
-PREFILLS = ("packed", "padded")
 SEGMENTATIONS = ("windows", "vad")
 
 _ENV = {"max_batch": ("GLMASR_MAX_BATCH", int), "encoder_chunk": ("GLMASR_ENCODER_CHUNK", int),
-        "prefill_graphs": ("GLMASR_PREFILL_GRAPHS", "flag"), "encoder_graphs": ("GLMASR_ENCODER_GRAPHS", "flag"),
-        "decode_gemm": ("GLMASR_DECODE_GEMM", str), "pdl": ("GLMASR_PDL", "flag"), "prefill": ("GLMASR_PREFILL", str),
-        "decode_step": ("GLMASR_DECODE_STEP", str), "batch_invariant": ("GLMASR_BATCH_INVARIANT", "flag"),
-        "weights_reader": ("GLMASR_WEIGHTS_READER", str)}
-WEIGHTS_READERS = ("auto", "chunked", "safe_open")
+        "batch_invariant": ("GLMASR_BATCH_INVARIANT", "flag")}
 
 
 def _positive_int(name: str, value, allow_none: bool = True) -> None:
@@ -64,41 +50,20 @@ class EngineOptions:
     sync_every: int = 8  # decode steps between two host read-backs
     encoder_chunk: int | None = None
     max_prefill_tokens: int | None = None
-    cuda_graphs: bool = True  # decode steps as CUDA graphs (CUDA only)
-    prefill_graphs: bool = True
-    encoder_graphs: bool = True
-    decode_gemm: str = "skinny"
-    # a batch-1 decode step (with the skinny GEMVs) as the chain of one kernel per op, or as one persistent
-    # launch over all layers (kernels/persistent_decode.py; measured slower on the H200, 2026-12-01: opt-in)
-    decode_step: str = "chain"
-    # prompts admitted together: "packed" into one unpadded pass (the model's ``prefill``), or "padded" right-padded
-    # per length group (the earlier path, kept for comparison)
-    prefill: str = "packed"
-    pdl: bool = True
-    weights_reader: str = "auto"
     # Batch invariance: every request gets bit for bit what it would get alone, whatever runs beside it. Off, the
     # bf16 kernels pick their configs (and cuBLAS its algorithms) by the number of rows in a call, so a
     # near-tie between two tokens can go either way with the load. On: the encoder and its frontend run one
     # window per call, each prompt is prefilled alone on the path its own length picks, and the decode step runs
-    # row-count-independent kernels (glmasr/models/fast.py: ``batch_invariant``). The cost is measured
-    # (benchmark.sh --only invariant).
+    # row-count-independent kernels (glmasr/models/fast_decoder.py). The cost is measured (benchmark.sh --only
+    # invariant).
     batch_invariant: bool = False
 
     def __post_init__(self):
         for name in ("max_batch", "encoder_chunk", "max_prefill_tokens"):
             _positive_int(name, getattr(self, name))
         _positive_int("sync_every", self.sync_every, allow_none=False)
-        if self.weights_reader not in WEIGHTS_READERS:
-            raise ValueError(f"weights_reader must be one of {WEIGHTS_READERS}, got {self.weights_reader!r}")
-        if self.decode_gemm not in DECODE_GEMMS:
-            raise ValueError(f"decode_gemm must be one of {DECODE_GEMMS}, got {self.decode_gemm!r}")
-        if self.decode_step not in DECODE_STEPS:
-            raise ValueError(f"decode_step must be one of {DECODE_STEPS}, got {self.decode_step!r}")
-        if self.prefill not in PREFILLS:
-            raise ValueError(f"prefill must be one of {PREFILLS}, got {self.prefill!r}")
-        for name in ("cuda_graphs", "prefill_graphs", "encoder_graphs", "pdl", "batch_invariant"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
 
     @classmethod
     def from_env(cls, env=None, **overrides) -> "EngineOptions":
@@ -129,15 +94,12 @@ class EngineOptions:
         return cls(**values)
 
     def resolved(self, device_type: str) -> "EngineOptions":
-        """These options with the device's defaults filled in (and graphs off where there is no CUDA)."""
+        """These options with the device's defaults filled in."""
         kind = "cuda" if device_type == "cuda" else "cpu"
-        cuda = kind == "cuda"
         return dataclasses.replace(
             self, max_batch=self.max_batch or DEFAULT_MAX_BATCH[kind],
             encoder_chunk=self.encoder_chunk or DEFAULT_ENCODER_CHUNK[kind],
-            max_prefill_tokens=self.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS[kind],
-            cuda_graphs=self.cuda_graphs and cuda, prefill_graphs=self.prefill_graphs and cuda,
-            encoder_graphs=self.encoder_graphs and cuda)
+            max_prefill_tokens=self.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS[kind])
 
 
 def audio_threads() -> int | None:

@@ -1,31 +1,27 @@
-"""Audio -> engine work: 30 s windows, the prompts ("groups") they are packed into, and for a group its
-features, encoder output and prompt embeddings.
+"""Audio -> engine work: 30 s windows and the prompts ("groups") they are packed into.
 
 - ``plan_audio`` (host, cheap, the caller's thread): split 16 kHz samples into 30 s windows like the reference
   processor, count each window's audio tokens, pack consecutive windows into groups whose prompt + token budget
   fits the decoder's positions (at most 21 windows, the reference's cap), tokenize each group's prompt. The
-  windows stay views into the caller's samples until they are encoded.
-- ``encode_groups`` (device, the engine's thread): log-mel features of the groups' windows (the fused CUDA
-  frontend, or the plain-torch recipe), the encoder + projector in chunks of ``chunk`` windows, then each group's
-  prompt embeddings with its audio placeholders replaced by its windows' audio rows, all without a host sync.
-- ``prepare_requests``: both at once for a list of audios -> ``GenerationRequest``s (tests, the logits oracle,
-  benchmarks that drive the engine below the request level).
+  windows stay views into the caller's samples until they are encoded. ``plan_pieces``: one group per given
+  piece of at most 30 s (the VAD's, or the caller's).
+- The engine encodes the groups (``engine/encode.py``: features, encoder + projector, prompt embeddings).
+- ``prepare_requests``: planning and encoding at once for a list of audios -> ``GenerationRequest``s (tests,
+  the logits oracle, benchmarks that drive the engine below the request level).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .audio import Audio, AudioError, load_audio, split_windows
-from .device import host_to_device
+from .engine.encode import encode_groups
 from .engine.generate import GenerationRequest
-from .features import (SAMPLE_RATE, frames_to_audio_tokens, min_samples_for_one_token, num_valid_frames,
-                       whisper_features)
+from .features import SAMPLE_RATE, frames_to_audio_tokens, min_samples_for_one_token, num_valid_frames
 from .options import DecodeOptions
 
 # The reference processor keeps at most int(655 // 30) = 21 windows (630 s) per prompt.
@@ -137,73 +133,10 @@ def plan_pieces(audio: Audio, pieces: list[tuple[float, float]], prompts, config
     return plans
 
 
-def window_features(pieces: list[np.ndarray], model, frontend: str, n_mels: int) -> torch.Tensor:
-    """Log-mel features (W, n_mels, 3000) of window pieces on the model's device: the fused CUDA frontend
-    (``frontend="cuda"``), else the plain-torch recipe."""
-    device = model.device
-    if frontend == "cuda":
-        from glmasr_kernels.logmel import whisper_features as fused_whisper_features
-
-        lengths = [int(p.shape[0]) for p in pieces]
-        # Filled in place in a pinned buffer (torch's caching host allocator: reused, no page faults) and
-        # copied without a host sync. No zero fill: the kernel reads samples at or past a row's length as 0.
-        host = torch.empty((len(pieces), max(lengths)), dtype=torch.float32, pin_memory=True)
-        rows = host.numpy()
-        for i, p in enumerate(pieces):
-            rows[i, : lengths[i]] = p
-        pcm = host.to(device, non_blocking=True)
-        return fused_whisper_features(pcm, host_to_device(lengths, device), n_mels)[0]
-    return whisper_features(pieces, n_mels, device=device)[0]
-
-
-def encode_groups(model, frontend: str, plans: list[GroupPlan], chunk: int, audio_token_id: int,
-                  n_mels: int) -> tuple[list[torch.Tensor], float]:
-    """Prompt embeddings (L_g, hidden) of each group, and the host seconds spent packing samples.
-
-    Features + encoder run chunk by chunk with nothing waiting for the GPU, so the host packs chunk i+1 while
-    the GPU encodes chunk i. A window that yields no audio token (a tail under 60 ms) is not encoded. The
-    groups' prompts are embedded in one gather/scatter: the placeholder positions are known on the host."""
-    pieces, src_rows, row = [], [], 0
-    for g in plans:
-        rows_of_g = []
-        for samples, tokens in zip(g.windows, g.window_tokens):
-            if tokens > 0:
-                pieces.append(samples)
-                rows_of_g.append((row, tokens))
-                row += 1
-        src_rows.append(rows_of_g)
-    packing_s = 0.0
-    encoded = []
-    for i in range(0, len(pieces), chunk):
-        t0 = time.perf_counter()
-        feats = window_features(pieces[i: i + chunk], model, frontend, n_mels)
-        packing_s += time.perf_counter() - t0
-        encoded.append(model.encode_audio(feats))
-    embeds = encoded[0] if len(encoded) == 1 else torch.cat(encoded)
-    per_window = embeds.shape[1]
-
-    ids: list[int] = []
-    dst: list[int] = []  # rows of the flat prompt embeddings that take audio rows
-    src: list[int] = []  # rows of the flat audio embeddings, in prompt order
-    spans = []
-    for g, rows_of_g in zip(plans, src_rows):
-        base = len(ids)
-        dst += [base + j for j, t in enumerate(g.prompt_ids) if t == audio_token_id]
-        src += [r * per_window + j for r, tokens in rows_of_g for j in range(tokens)]
-        spans.append((base, len(g.prompt_ids)))
-        ids += g.prompt_ids
-    if len(dst) != len(src):  # PromptBuilder.encode guarantees it; a mismatch here would be silent corruption
-        raise RuntimeError(f"{len(dst)} audio placeholders in the prompts but {len(src)} audio rows")
-    dev = model.device
-    flat = model.embed_tokens(host_to_device(ids, dev))
-    audio = embeds.reshape(-1, embeds.shape[-1]).index_select(0, host_to_device(src, dev))
-    flat.index_copy_(0, host_to_device(dst, dev), audio.to(flat.dtype))
-    return [flat[b: b + n] for b, n in spans], packing_s
-
-
 def prepare_requests(asr, audios: list, decode: DecodeOptions | None = None, sampling_rate: int | None = None
                      ) -> tuple[list[GenerationRequest], list[GroupPlan]]:
-    """All groups of all ``audios``, encoded now, as ``GenerationRequest``s (in order) and their plans."""
+    """All groups of all ``audios``, encoded now (eagerly: no graph), as ``GenerationRequest``s (in order) and their
+    plans."""
     decode = decode or DecodeOptions()
     plans = [p for a in audios for p in plan_audio(load_audio(a, sampling_rate), asr.prompts, asr.config, decode)]
     with torch.inference_mode():

@@ -17,7 +17,8 @@ of the step writes (weights, norm gains) until ``pdl_wait``, which blocks until 
 finished and its writes are visible; it writes nothing before ``pdl_wait`` and every program executes
 ``pdl_wait`` (so the wait is transitive: finishing implies everything earlier finished). The gain is the
 launch latency and ramp of each small decode kernel, overlapped with the tail of the one before, and for the
-GEMVs the first weight tile already in flight. Off under the interpreter, below sm_90, or with ``set_pdl(False)`` (glmasr: GLMASR_PDL=0).
+GEMVs the first weight tile already in flight. Off under the interpreter, below sm_90, or with ``set_pdl(False)``
+(a switch for tests and benchmarks that compare PDL with plain launches).
 
 * ``compile_ahead()``: a context in which this thread's Triton launches only compile, all on a thread pool at
   once, and launch nothing; on exit every compile has finished and is in the kernels' caches. For a dry pass
@@ -113,9 +114,9 @@ _PDL_OVERRIDE: bool | None = None
 
 
 def set_pdl(enabled: bool | None) -> None:
-    """Force PDL on/off for launches from now on (None: back to the default, on; ``glmasr.load`` sets it from
-    its ``pdl`` option, GLMASR_PDL).
-    Kernels already captured in a CUDA graph keep the mode they were captured with."""
+    """Force PDL on/off for launches from now on (None: back to the default, on); for tests and benchmarks that
+    compare PDL with plain launches. Kernels already captured in a CUDA graph keep the mode they were captured
+    with."""
     global _PDL_OVERRIDE
     _PDL_OVERRIDE = enabled
 

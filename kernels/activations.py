@@ -16,7 +16,6 @@ bf16, fp16, fp32 I/O.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F

@@ -19,12 +19,6 @@ Two launch modes, chosen by ``choose_num_splits(B, Hk, max_len, n_sms)`` unless 
   BLOCK_N, fixed by max_len), writes a partial normalised output and its log-sum-exp (fp32), then a reduction
   kernel (grid (B, Hq)) combines the S partials. Programs past a sequence's length write an empty partial.
 Both kernels launch with PDL on sm_90+ (``_triton_utils.pdl_launch``; they wait before touching anything).
-
-``decode_attention_rope_append`` (the decode step's chain, glmasr/models/fast.py): the same kernel also does
-what ``rope.rope_and_append`` did in a launch of its own: every program rotates its G query heads on load (q
-as the QKV projection wrote it, not rotated), and the program whose chunk holds the new position rotates the
-new k, stores it and the new v to the cache, then (after a block barrier) reads them back with the rest.
-RoPE's roundings are rope.py's (fp contraction off for this variant), so it equals the two-launch chain.
 """
 
 from __future__ import annotations
@@ -37,8 +31,7 @@ import triton.language as tl
 
 from ._triton_utils import cdiv, check_device, interpreting, next_pow2, num_sms, pdl_begin, pdl_launch, pdl_wait
 
-__all__ = ["decode_attention", "decode_attention_ref", "decode_attention_rope_append",
-           "decode_attention_rope_append_ref", "choose_num_splits"]
+__all__ = ["decode_attention", "decode_attention_ref", "choose_num_splits"]
 
 _LOG2E = 1.4426950408889634
 
@@ -99,58 +92,19 @@ def _attn_tile(q, kbase, vbase, n, end, skn, svn, offs_d, dmask, m_i, l_i, acc, 
 
 
 @triton.jit
-def _rope_rows(X, row_off, offs_d, mask, c, s, HALF: tl.constexpr, CACHE: tl.constexpr):
-    """Rows X[row_off[i] + d] rotated by RoPE's half-split rule on dims [0, 2*HALF), with kernels/rope.py's
-    roundings (round(round(x*c) + round(-+x_partner*s)) in X's dtype; ``c``, ``s`` (BLOCK_D,) already rounded
-    to it, ``s`` negated on the first half); other dims as loaded. Returns (rows, BLOCK_D) in X's dtype.
-    ``CACHE``: the loads' cache modifier ("" default; ".cg" where another program of the same kernel wrote X)."""
-    rot = offs_d < 2 * HALF
-    partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
-    x = tl.load(X + row_off[:, None] + offs_d[None, :], mask=mask, other=0.0, cache_modifier=CACHE)
-    xp = tl.load(X + row_off[:, None] + partner[None, :], mask=mask & rot[None, :], other=0.0, cache_modifier=CACHE)
-    dt = x.dtype
-    t = (x.to(tl.float32) * c[None, :]).to(dt).to(tl.float32)
-    u = (xp.to(tl.float32) * s[None, :]).to(dt).to(tl.float32)
-    return tl.where(rot[None, :], (t + u).to(dt), x)
-
-
-@triton.jit
-def _attend_split(Q, q_off, hmask, KN, VN, kbase, vbase, skn, svn, COS, SIN, scs, raw_length, max_len, start, chunk,
-                  qk_scale, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  NUM_STAGES: tl.constexpr, DOT_PREC: tl.constexpr, STATIC_ITERS: tl.constexpr, ROPE: tl.constexpr,
-                  HALF: tl.constexpr, CACHE: tl.constexpr):
+def _attend_split(Q, q_off, hmask, kbase, vbase, skn, svn, raw_length, max_len, start, chunk, qk_scale,
+                  BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  NUM_STAGES: tl.constexpr, DOT_PREC: tl.constexpr, STATIC_ITERS: tl.constexpr):
     """One program's split [start, start + chunk) of one kv head's context for its BLOCK_H query rows (Q +
     q_off[i], rows past the group masked by ``hmask``): returns the normalised partial output (BLOCK_H, BLOCK_D)
-    fp32 and its log-sum-exp (log2 domain, -inf when empty). With ROPE, q and the new token's k (KN: its row,
-    VN: its v row; at position raw_length - 1) are rotated here, and the program whose split holds that position
-    stores the new k and v to the cache first (``CACHE``: the modifier of the q/k/v loads)."""
+    fp32 and its log-sum-exp (log2 domain, -inf when empty)."""
     length = tl.minimum(raw_length, max_len)
     end = tl.minimum(start + chunk, length)
     # head_dim is padded to BLOCK_D >= 16 (tl.dot needs K >= 16); the padding lanes are masked to zero.
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     hdmask = hmask[:, None] & dmask[None, :]
-    if ROPE:
-        # the new token (position length - 1): q and its k rotated here, k and v appended to the cache by the
-        # program whose chunk holds that position, before its own K/V loop reads them (barrier below)
-        pos = raw_length - 1
-        pc = tl.maximum(pos, 0).to(tl.int64)
-        rot = offs_d < 2 * HALF
-        cs_d = offs_d % HALF
-        dt = kbase.dtype.element_ty
-        c = tl.load(COS + pc * scs + cs_d, mask=rot, other=0.0).to(dt).to(tl.float32)
-        sn = tl.load(SIN + pc * scs + cs_d, mask=rot, other=0.0).to(dt).to(tl.float32)
-        sn = tl.where(offs_d < HALF, -sn, sn)
-        q = _rope_rows(Q, q_off, offs_d, hdmask, c, sn, HALF, CACHE)
-        if (pos >= start) & (pos < start + chunk) & (pos < max_len):
-            one = tl.zeros((1,), dtype=tl.int64)
-            kn = _rope_rows(KN, one, offs_d, dmask[None, :], c, sn, HALF, CACHE)
-            vn = tl.load(VN + one[:, None] + offs_d[None, :], mask=dmask[None, :], other=0.0, cache_modifier=CACHE)
-            tl.store(kbase + pos.to(tl.int64) * skn + one[:, None] + offs_d[None, :], kn, mask=dmask[None, :])
-            tl.store(vbase + pos.to(tl.int64) * svn + one[:, None] + offs_d[None, :], vn, mask=dmask[None, :])
-        tl.debug_barrier()  # the block's own stores are visible to all its threads after this
-    else:
-        q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=hdmask, other=0.0, cache_modifier=CACHE)
+    q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=hdmask, other=0.0)
     if STATIC_ITERS > 0:
         q = q.to(tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
@@ -176,12 +130,10 @@ def _attend_split(Q, q_off, hmask, KN, VN, kbase, vbase, skn, svn, COS, SIN, scs
 @triton.jit
 def _decode_attn_kernel(Q, K, V, LENS, ROWS, O, OP, LSE, max_len, chunk, n_splits, qk_scale,
                         sqb, sqh, skb, skh, skn, svb, svh, svn, sob, soh,
-                        KN, VN, COS, SIN, scs, sknb, sknh, svnb, svnh,
                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_N: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_ROWS: tl.constexpr, NUM_STAGES: tl.constexpr,
-                        DOT_PREC: tl.constexpr, STATIC_ITERS: tl.constexpr, PDL: tl.constexpr,
-                        ROPE: tl.constexpr, HALF: tl.constexpr):
+                        DOT_PREC: tl.constexpr, STATIC_ITERS: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     pdl_wait(PDL)
     b = tl.program_id(0)
@@ -198,11 +150,9 @@ def _decode_attn_kernel(Q, K, V, LENS, ROWS, O, OP, LSE, max_len, chunk, n_split
     heads = kvh * GROUP + offs_h
     kbase = K + row * skb + kvh.to(tl.int64) * skh
     vbase = V + row * svb + kvh.to(tl.int64) * svh
-    out, lse = _attend_split(Q + b.to(tl.int64) * sqb, heads.to(tl.int64) * sqh, hmask,
-                             KN + b.to(tl.int64) * sknb + kvh.to(tl.int64) * sknh,
-                             VN + b.to(tl.int64) * svnb + kvh.to(tl.int64) * svnh, kbase, vbase, skn, svn,
-                             COS, SIN, scs, raw_length, max_len, start, chunk, qk_scale,
-                             BLOCK_H, D, BLOCK_D, BLOCK_N, NUM_STAGES, DOT_PREC, STATIC_ITERS, ROPE, HALF, "")
+    out, lse = _attend_split(Q + b.to(tl.int64) * sqb, heads.to(tl.int64) * sqh, hmask, kbase, vbase, skn, svn,
+                             raw_length, max_len, start, chunk, qk_scale,
+                             BLOCK_H, D, BLOCK_D, BLOCK_N, NUM_STAGES, DOT_PREC, STATIC_ITERS)
     offs_d = tl.arange(0, BLOCK_D)
     hdmask = hmask[:, None] & (offs_d < D)[None, :]
     if SPLIT:
@@ -236,46 +186,9 @@ def _combine_kernel(OP, LSE, O, n_splits, sob, soh, HQ,
     tl.store(O + b.to(tl.int64) * sob + h * soh + offs_d, res.to(O.dtype.element_ty))
 
 
-def decode_attention_rope_append(q, k_new, v_new, cos_cache, sin_cache, k_cache, v_cache, lengths,
-                                 max_len: int | None = None, cache_rows=None, sm_scale: float | None = None,
-                                 num_splits: int | None = None, out=None):
-    """The decode step's RoPE + KV append + attention in one launch: q (B, Hq, D) and the new token's k_new,
-    v_new (B, Hk, D) as the QKV projection wrote them (not rotated; any strides for B and H, unit stride in D),
-    at position lengths[b] - 1 (cos_cache/sin_cache (max_pos, R/2) fp32 from rope.build_rope_cache). The
-    rotated k and v are stored at that slot of row cache_rows[b] (a negative position stores nothing: padding);
-    q and k_new themselves are not modified. Same result as ``rope_and_append`` then ``decode_attention``."""
-    check_device(k_new, v_new, cos_cache, sin_cache)
-    B, HQ, D = q.shape
-    HK = k_cache.shape[1]
-    for name, t in (("k_new", k_new), ("v_new", v_new)):
-        if tuple(t.shape) != (B, HK, D) or t.stride(-1) != 1 or t.dtype != k_cache.dtype:
-            raise ValueError(f"{name} must be (B, Hk, D) = {(B, HK, D)} {k_cache.dtype} with unit stride in D, got "
-                             f"{tuple(t.shape)} {t.dtype}")
-    half = cos_cache.shape[1]
-    if cos_cache.dim() != 2 or sin_cache.shape != cos_cache.shape or 2 * half > D or half < 1:
-        raise ValueError(f"cos_cache/sin_cache must be (max_pos, R/2) with R <= head_dim {D}, got "
-                         f"{tuple(cos_cache.shape)} / {tuple(sin_cache.shape)}")
-    if cos_cache.dtype != torch.float32 or cos_cache.stride(1) != 1 or sin_cache.stride() != cos_cache.stride():
-        cos_cache, sin_cache = cos_cache.float().contiguous(), sin_cache.float().contiguous()
-    rope = (k_new, v_new, cos_cache, sin_cache)
-    return decode_attention(q, k_cache, v_cache, lengths, max_len=max_len, cache_rows=cache_rows, sm_scale=sm_scale,
-                            num_splits=num_splits, out=out, _rope=rope)
-
-
-def decode_attention_rope_append_ref(q, k_new, v_new, cos_cache, sin_cache, k_cache, v_cache, lengths,
-                                     max_len=None, cache_rows=None, sm_scale=None):
-    """Reference: ``rope_and_append_ref`` on copies of q / k_new, then ``decode_attention_ref``."""
-    from .rope import rope_and_append_ref
-
-    pos = (lengths.long() - 1)[:, None]
-    qr, _ = rope_and_append_ref(q.clone()[:, None], k_new.clone()[:, None], v_new[:, None], pos, cos_cache,
-                                sin_cache, k_cache, v_cache, cache_rows)
-    return decode_attention_ref(qr[:, 0], k_cache, v_cache, lengths, max_len, cache_rows, sm_scale)
-
-
 def decode_attention(q, k_cache, v_cache, lengths, max_len: int | None = None, cache_rows=None,
                      sm_scale: float | None = None, num_splits: int | None = None, block_n: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None, out=None, _rope=None):
+                     num_warps: int | None = None, num_stages: int | None = None, out=None):
     """See the module docstring. Returns ``out`` (B, Hq, D) in q's dtype."""
     check_device(q, k_cache, v_cache, lengths, cache_rows)
     B, HQ, D = q.shape
@@ -308,8 +221,6 @@ def decode_attention(q, k_cache, v_cache, lengths, max_len: int | None = None, c
     if num_stages is None:
         num_stages = 1 if interp else 3
     if q.dtype != k_cache.dtype:
-        if _rope is not None:
-            raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
         q = q.to(k_cache.dtype)
     dot_prec = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     qk_scale = (1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)) * _LOG2E
@@ -319,27 +230,18 @@ def decode_attention(q, k_cache, v_cache, lengths, max_len: int | None = None, c
     common = dict(GROUP=group, BLOCK_H=block_h, D=D, BLOCK_D=max(16, D), BLOCK_N=block_n, HAS_ROWS=cache_rows is not None,
                   NUM_STAGES=num_stages, DOT_PREC=dot_prec, num_warps=num_warps,
                   STATIC_ITERS=cdiv(chunk, block_n) if interp else 0, **pdl_launch(q.device))
-    if _rope is None:
-        rope_args = (q, q, q, q, 0, 0, 0, 0, 0)
-        common.update(ROPE=False, HALF=1)
-    else:
-        k_new, v_new, cos_c, sin_c = _rope
-        rope_args = (k_new, v_new, cos_c, sin_c, cos_c.stride(0), k_new.stride(0), k_new.stride(1),
-                     v_new.stride(0), v_new.stride(1))
-        # RoPE's intermediate roundings must stay (kernels/rope.py: fp fusion contracts them into FMAs)
-        common.update(ROPE=True, HALF=cos_c.shape[1], **({} if interp else dict(enable_fp_fusion=False)))
     if n_splits == 1:
         _decode_attn_kernel[(B, HK, 1)](
             q, k_cache, v_cache, lengths, rows, out, out, out, max_len, chunk, 1, qk_scale,
             q.stride(0), q.stride(1), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], out.stride(0), out.stride(1),
-            *rope_args, SPLIT=False, **common)
+            SPLIT=False, **common)
         return out
     op = torch.empty((B, HQ, n_splits, D), device=q.device, dtype=torch.float32)
     lse = torch.empty((B, HQ, n_splits), device=q.device, dtype=torch.float32)
     _decode_attn_kernel[(B, HK, n_splits)](
         q, k_cache, v_cache, lengths, rows, out, op, lse, max_len, chunk, n_splits, qk_scale,
         q.stride(0), q.stride(1), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], out.stride(0), out.stride(1),
-        *rope_args, SPLIT=True, **common)
+        SPLIT=True, **common)
     _combine_kernel[(B, HQ)](op, lse, out, n_splits, out.stride(0), out.stride(1), HQ,
                              D=D, S_P2=next_pow2(n_splits), num_warps=4, **pdl_launch(q.device))
     return out

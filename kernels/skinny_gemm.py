@@ -43,22 +43,10 @@ dispatchers run every row count on one config per (N, K): the 16-row tensor-core
 whose x tile is padded to 16 rows whatever M is, so each output element is the same dot product in the same
 order; more than 16 rows go through it 16 at a time.
 
-Fused prologue and epilogue for the decode step's chain (glmasr/models/fast.py):
-
-* ``norm_weight=g`` (RMSNorm prologue): y = rms_norm(x, g, eps) @ W^T. Every program reads its rows of x
-  whole once for the fp32 statistics (x is the residual stream, a few KB, L2-resident), then normalises each
-  K tile on load with kernels/rmsnorm.py's roundings (x*rstd rounded, times g, rounded); the normed rows never
-  go through memory and the norm launch disappears. The statistics' summation order differs from the norm
-  kernel's (fp32, ~1 ulp of rstd).
-* ``residual=r`` (residual epilogue, not with SwiGLU): returns round(r + round(y)), the decoder's
-  ``residual + linear(x)``; ``out=r`` updates the stream in place (each program reads exactly the residual
-  elements it writes; with split-K the reduce kernel does it).
-
 PDL (sm_90+, ``_triton_utils.pdl_launch``): the first W tile of each program is loaded before ``pdl_wait``
 (SASS: the LDGs precede the griddepcontrol wait), so in a chain of decode kernels the weight stream starts
-while the previous kernel drains. ``L2_PREFETCH`` (off: measured slower) also requests the rest of the
-program's weight slice into L2 there, one bulk prefetch per W row (``cp.async.bulk.prefetch.L2``). ``*_ref`` are the plain-torch
-references (fp32 math on the given, already rounded, inputs).
+while the previous kernel drains. ``*_ref`` are the plain-torch references (fp32 math on the given, already
+rounded, inputs).
 
 Interpreter (TRITON_INTERPRET=1): CPU tensors accepted; tl.dot is fed fp32 copies (its bf16 dot is wrong); the
 K loop has a constexpr trip count everywhere, which numpy >= 2.4 needs.
@@ -74,7 +62,6 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import as_rows, cdiv, check_device, interpreting, next_pow2, pdl_begin, pdl_launch, pdl_wait
-from .rmsnorm import rms_norm_ref
 
 __all__ = [
     "SkinnyConfig", "CONFIGS", "MAX_M", "select", "kernel_config", "skinny_gemm", "skinny_gemm_swiglu", "skinny_gemm_ref",
@@ -107,26 +94,18 @@ class SkinnyConfig:
 
 # ------------------------------------------------------------------------------------------------ references
 
-def skinny_gemm_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                    norm_weight: torch.Tensor | None = None, eps: float = 1e-5,
-                    residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T in fp32 on the given inputs, rounded once to x's dtype; with ``norm_weight`` x is RMS-normalised
-    first, with ``residual`` the result is residual + y (rounded again), as the unfused decoder computes it."""
-    if norm_weight is not None:
-        x = rms_norm_ref(x, norm_weight, eps)
+def skinny_gemm_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T in fp32 on the given inputs, rounded once to x's dtype."""
     y = (x.float() @ w.float().t()).to(x.dtype)
-    if residual is not None:
-        y = residual + y
     if out is not None:
         out.copy_(y)
         return out
     return y
 
 
-def skinny_gemm_swiglu_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                           norm_weight: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+def skinny_gemm_swiglu_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """silu(x @ Wg^T) * (x @ Wu^T), W = [Wg; Wu]; gate/up rounded to x's dtype first (the unfused path)."""
-    h = skinny_gemm_ref(x, w, norm_weight=norm_weight, eps=eps)
+    h = skinny_gemm_ref(x, w)
     gate, up = h.chunk(2, dim=-1)
     y = (F.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
     if out is not None:
@@ -165,33 +144,16 @@ def _load_tiles(w_ptrs, w2_ptrs, k0, K, offs_k, nmask, EVEN_N: tl.constexpr, EVE
 
 
 @triton.jit
-def _normed(x, rstd, g, NORM: tl.constexpr):
-    """The RMSNorm prologue on a loaded x tile (HF LlamaRMSNorm roundings, as kernels/rmsnorm.py): x*rstd
-    rounded to x's dtype, times the gain, rounded again; x unchanged without NORM."""
-    if NORM:
-        dt = x.dtype
-        x = ((x.to(tl.float32) * rstd).to(dt).to(tl.float32) * g.to(tl.float32)).to(dt)
-    return x
-
-
-@triton.jit
-def _k_step(X, w, w2, k0, M, K, sx, offs_m, offs_k, acc, acc2, G, rstd,
+def _k_step(X, w, w2, k0, M, K, sx, offs_m, offs_k, acc, acc2,
             BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, SWIGLU: tl.constexpr, UPCAST: tl.constexpr,
-            DOT_PREC: tl.constexpr, NORM: tl.constexpr):
-    """One K tile: acc (+ acc2 for the SwiGLU up rows) += x[:, k0:k0+BK] . W_tile (tiles already loaded).
-    With NORM, x is RMS-normalised on load (``rstd`` (BLOCK_M,) per row, gain G)."""
+            DOT_PREC: tl.constexpr):
+    """One K tile: acc (+ acc2 for the SwiGLU up rows) += x[:, k0:k0+BK] . W_tile (tiles already loaded)."""
     k = k0 + offs_k
     kmask = k < K
-    if NORM:
-        g = tl.load(G + k, mask=kmask, other=0.0, eviction_policy="evict_last")
-    else:
-        g = rstd
     if USE_DOT:
         # acc (BLOCK_N, BLOCK_M) += W (BN, BK) @ x^T (BK, BM); x rows >= M are zero.
         xt = tl.load(X + offs_m[None, :] * sx + k[:, None], mask=(offs_m < M)[None, :] & kmask[:, None],
                      other=0.0, eviction_policy="evict_last")
-        if NORM:
-            xt = _normed(xt, rstd[None, :], g[:, None], NORM)
         if UPCAST:
             xt = xt.to(tl.float32)
             acc = tl.dot(w.to(tl.float32), xt, acc, input_precision=DOT_PREC)
@@ -211,8 +173,6 @@ def _k_step(X, w, w2, k0, M, K, sx, offs_m, offs_k, acc, acc2, G, rstd,
                 xm = tl.load(X + k, mask=kmask, other=0.0, eviction_policy="evict_last")
             else:
                 xm = tl.load(X + mi * sx + k, mask=kmask & (M > mi), other=0.0, eviction_policy="evict_last")
-            if NORM:
-                xm = _normed(xm, tl.sum(tl.where(offs_m == mi, rstd, 0.0), axis=0), g, NORM)
             xm = xm.to(tl.float32)
             p = tl.sum(wf * xm[None, :], axis=1)
             if SWIGLU:
@@ -240,45 +200,12 @@ def _swiglu_epilogue(g, u, Y):
 
 
 @triton.jit
-def _residual_epilogue(y, R, offs_r, mask, Y, RESID: tl.constexpr):
-    """With RESID: round(residual + round(y)) (the decoder's ``residual + linear(x)`` in the I/O dtype)."""
-    if RESID:
-        dt = Y.dtype.element_ty
-        r = tl.load(R + offs_r, mask=mask, other=0.0)
-        y = (r.to(tl.float32) + y.to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    return y
-
-
-@triton.jit
-def _l2_prefetch(ptr, nbytes):
-    """Ask for ``nbytes`` (a multiple of 16, ``ptr`` 16-byte aligned) at ``ptr`` to be brought into L2 (sm_90
-    bulk prefetch, issued by one thread of the program; no registers, no data returned, no ordering)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _row_rstd(X, M, K, sx, eps, offs_m, BLOCK_M: tl.constexpr, K_P2: tl.constexpr):
-    """rsqrt(mean(x**2) + eps) in fp32 for each of the BLOCK_M rows of x (whole rows, rows >= M give 0)."""
-    offs = tl.arange(0, K_P2)
-    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for mi in tl.static_range(BLOCK_M):
-        xr = tl.load(X + mi * sx + offs, mask=(offs < K) & (M > mi), other=0.0).to(tl.float32)
-        r = tl.math.rsqrt(tl.sum(xr * xr, axis=0) / K + eps)
-        rstd = tl.where(offs_m == mi, r, rstd)
-    return rstd
-
-
-@triton.jit
-def _skinny_kernel(X, W, Y, WS, G, R, M, N, K, sx, sw, sy, sr, HALF, eps,
+def _skinny_kernel(X, W, Y, WS, M, N, K, sx, sw, sy, HALF,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, ITERS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                    USE_DOT: tl.constexpr, SWIGLU: tl.constexpr, UPCAST: tl.constexpr,
                    NUM_STAGES: tl.constexpr, STATIC: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
-                   PRELOAD: tl.constexpr, NORM: tl.constexpr, K_P2: tl.constexpr, RESID: tl.constexpr,
-                   L2_BYTES: tl.constexpr):
+                   PRELOAD: tl.constexpr):
     # N = output columns (I for SwiGLU); HALF = row offset of the up half in W (I), unused otherwise.
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
@@ -301,38 +228,24 @@ def _skinny_kernel(X, W, Y, WS, G, R, M, N, K, sx, sw, sy, sr, HALF, eps,
     w, w2 = _load_tiles(w_ptrs, w2_ptrs, k_base, K, offs_k, nmask, EVEN_N, EVEN_K, SWIGLU)
     if PRELOAD == 2:
         wb, wb2 = _load_tiles(w_ptrs, w2_ptrs, k_base + BLOCK_K, K, offs_k, nmask, EVEN_N, EVEN_K, SWIGLU)
-    if L2_BYTES > 0:
-        # the rest of this program's weight slice (rows contiguous over its K range) requested into L2 now, so
-        # the stream does not wait for the previous kernel and the loads after the wait hit L2
-        for r in tl.static_range(BLOCK_N):
-            row = pid_n * BLOCK_N + r
-            if row < N:
-                tail = W + row.to(tl.int64) * sw + k_base + PRELOAD * BLOCK_K
-                _l2_prefetch(tail, L2_BYTES)
-                if SWIGLU:
-                    _l2_prefetch(tail + HALF.to(tl.int64) * sw, L2_BYTES)
     pdl_wait(PDL)
-    if NORM:
-        rstd = _row_rstd(X, M, K, sx, eps, offs_m, BLOCK_M, K_P2)
-    else:
-        rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc, acc2 = _k_step(X, w, w2, k_base, M, K, sx, offs_m, offs_k, acc, acc2, G, rstd, BLOCK_M, USE_DOT, SWIGLU,
-                        UPCAST, DOT_PREC, NORM)
+    acc, acc2 = _k_step(X, w, w2, k_base, M, K, sx, offs_m, offs_k, acc, acc2, BLOCK_M, USE_DOT, SWIGLU,
+                        UPCAST, DOT_PREC)
     if PRELOAD == 2:
-        acc, acc2 = _k_step(X, wb, wb2, k_base + BLOCK_K, M, K, sx, offs_m, offs_k, acc, acc2, G, rstd, BLOCK_M,
-                            USE_DOT, SWIGLU, UPCAST, DOT_PREC, NORM)
+        acc, acc2 = _k_step(X, wb, wb2, k_base + BLOCK_K, M, K, sx, offs_m, offs_k, acc, acc2, BLOCK_M,
+                            USE_DOT, SWIGLU, UPCAST, DOT_PREC)
     if STATIC:
         for it in range(PRELOAD, ITERS):
             k0 = k_base + it * BLOCK_K
             w, w2 = _load_tiles(w_ptrs, w2_ptrs, k0, K, offs_k, nmask, EVEN_N, EVEN_K, SWIGLU)
-            acc, acc2 = _k_step(X, w, w2, k0, M, K, sx, offs_m, offs_k, acc, acc2, G, rstd, BLOCK_M, USE_DOT,
-                                SWIGLU, UPCAST, DOT_PREC, NORM)
+            acc, acc2 = _k_step(X, w, w2, k0, M, K, sx, offs_m, offs_k, acc, acc2, BLOCK_M, USE_DOT,
+                                SWIGLU, UPCAST, DOT_PREC)
     else:
         for it in tl.range(PRELOAD, ITERS, num_stages=NUM_STAGES):
             k0 = k_base + it * BLOCK_K
             w, w2 = _load_tiles(w_ptrs, w2_ptrs, k0, K, offs_k, nmask, EVEN_N, EVEN_K, SWIGLU)
-            acc, acc2 = _k_step(X, w, w2, k0, M, K, sx, offs_m, offs_k, acc, acc2, G, rstd, BLOCK_M, USE_DOT,
-                                SWIGLU, UPCAST, DOT_PREC, NORM)
+            acc, acc2 = _k_step(X, w, w2, k0, M, K, sx, offs_m, offs_k, acc, acc2, BLOCK_M, USE_DOT,
+                                SWIGLU, UPCAST, DOT_PREC)
 
     offs_m64 = offs_m.to(tl.int64)
     if USE_DOT:
@@ -348,7 +261,6 @@ def _skinny_kernel(X, W, Y, WS, G, R, M, N, K, sx, sw, sy, sr, HALF, eps,
             res = _swiglu_epilogue(acc, acc2, Y)
         else:
             res = acc
-        res = _residual_epilogue(res, R, row_off * sr + col_off, mask, Y, RESID)
         tl.store(Y + row_off * sy + col_off, res.to(Y.dtype.element_ty), mask=mask)
     else:
         # fp32 partials: WS (SPLIT_K, M, NT), NT = 2*HALF for SwiGLU (gate | up), else N.
@@ -363,8 +275,8 @@ def _skinny_kernel(X, W, Y, WS, G, R, M, N, K, sx, sw, sy, sr, HALF, eps,
 
 
 @triton.jit
-def _splitk_reduce_kernel(WS, Y, R, M, N, sy, sr, HALF, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr,
-                          BLOCK: tl.constexpr, PDL: tl.constexpr, RESID: tl.constexpr):
+def _splitk_reduce_kernel(WS, Y, M, N, sy, HALF, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr,
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     pdl_wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -387,7 +299,6 @@ def _splitk_reduce_kernel(WS, Y, R, M, N, sy, sr, HALF, SPLIT_K: tl.constexpr, S
         res = _swiglu_epilogue(acc, acc2, Y)
     else:
         res = acc
-    res = _residual_epilogue(res, R, m.to(tl.int64) * sr + n, mask, Y, RESID)
     tl.store(Y + m.to(tl.int64) * sy + n, res.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -399,8 +310,8 @@ def m_bucket(m: int) -> int:
 
 
 # Tuned per (W rows N, K, M bucket, swiglu) for the GLM-ASR-Nano decoder (hidden 2048, 16+4x128 heads,
-# I = 6144, vocab 59264): ``scripts/bench_skinny_gemm.py --sweep`` on one H200, 2026-11-29 (438 configs, each
-# timed in a CUDA graph over rotating weights; see notes/skinny_gemm.md for the table). ``None`` = cuBLAS was
+# I = 6144, vocab 59264): ``python -m scripts.bench.bench_skinny_gemm --sweep`` on one H200, 2026-11-29 (438
+# configs, each timed in a CUDA graph over rotating weights; see notes/skinny_gemm.md for the table). ``None`` = cuBLAS was
 # faster for that shape. Shapes not listed use ``_heuristic``.
 CONFIGS: dict[tuple[int, int, int, bool], SkinnyConfig | None] = {
     (2048, 2048, 1, False): SkinnyConfig(4, 1024, 1, num_warps=4, num_stages=1, use_dot=False),
@@ -490,11 +401,6 @@ _WS: dict[tuple[str, int | None], list[torch.Tensor]] = {}
 # Measured on the H200 (benchmark.sh breakdown, same run): decode step 1.266 ms with 1, 1.323 ms with 2 (the
 # extra registers cost more than the earlier bytes in flight gain). The tensor-core path always uses 1.
 PRELOAD_TILES = 1
-# Bulk-prefetch each program's remaining weight slice into L2 before the PDL wait (sm_90; off without PDL). Off:
-# measured slower on the H200 (benchmark.sh breakdown, 2026-12-01): decode step 1.359 ms with it vs 1.269 ms
-# without at batch 1 (the prefetches compete with the demand loads of the kernel still running, and at batch 8
-# the tensor-core configs' whole slices overrun L2: 2.87 vs 1.64 ms). Kept as the switch the breakdown A/Bs.
-L2_PREFETCH = False
 
 
 def _preload(cfg: SkinnyConfig) -> int:
@@ -513,9 +419,8 @@ def _workspace(device: torch.device, numel: int) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: SkinnyConfig | None,
-            workspace: torch.Tensor | None, swiglu: bool, norm_weight: torch.Tensor | None = None,
-            eps: float = 1e-5, residual: torch.Tensor | None = None) -> torch.Tensor:
-    check_device(x, w, out, workspace, norm_weight, residual)
+            workspace: torch.Tensor | None, swiglu: bool) -> torch.Tensor:
+    check_device(x, w, out, workspace)
     if w.dim() != 2:
         raise ValueError("W must be 2-D (N, K)")
     nw, k = w.shape
@@ -533,18 +438,6 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
     if m > MAX_M:
         raise ValueError(f"skinny_gemm supports M <= {MAX_M} rows (got {m}); use linear() to dispatch to cuBLAS")
     oshape = (*x.shape[:-1], n)
-    if norm_weight is not None:
-        if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
-            raise ValueError(f"norm_weight must be ({k},) {x.dtype} (the RMSNorm gain of x), got "
-                             f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
-        if norm_weight.stride(0) != 1:
-            norm_weight = norm_weight.contiguous()
-    if residual is not None:
-        if swiglu:
-            raise ValueError("skinny_gemm_swiglu has no residual epilogue")
-        if tuple(residual.shape) != oshape or residual.dtype != x.dtype or residual.stride(-1) != 1:
-            raise ValueError(f"residual must be {oshape} {x.dtype} with a contiguous last dim, got "
-                             f"{tuple(residual.shape)} {residual.dtype}")
     if out is None:
         out = torch.empty(oshape, device=x.device, dtype=x.dtype)
     else:
@@ -585,47 +478,31 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
     grid = (cdiv(n, bn), split)
     pdl = pdl_launch(x.device)
     preload = min(_preload(cfg), iters)
-    r2 = residual.view(m, n) if residual is not None else out2
-    g = norm_weight if norm_weight is not None else x2
-    # L2 prefetch of the program's remaining weight slice before the PDL wait (sm_90 bulk prefetch): needs
-    # PDL (no point otherwise), unmasked K tiles and a byte count that is a multiple of 16
-    l2_bytes = (iters - preload) * bk * w.element_size()
-    if not (L2_PREFETCH and pdl.get("PDL") and even_k and l2_bytes % 16 == 0 and w.data_ptr() % 16 == 0
-            and (w.stride(0) * w.element_size()) % 16 == 0):
-        l2_bytes = 0
     _skinny_kernel[grid](
-        x2, w, out2, ws, g, r2, m, n, k, x2.stride(0), w.stride(0), out2.stride(0), r2.stride(0),
-        n if swiglu else 0, float(eps),
+        x2, w, out2, ws, m, n, k, x2.stride(0), w.stride(0), out2.stride(0), n if swiglu else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, ITERS=iters, EVEN_N=even_n, EVEN_K=even_k,
         USE_DOT=cfg.use_dot, SWIGLU=swiglu, UPCAST=interp, NUM_STAGES=cfg.num_stages, STATIC=interp,
         # fp32 I/O: true fp32 products (tl.dot's default for fp32 is TF32, ~1e-3 relative)
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", PRELOAD=preload,
-        NORM=norm_weight is not None, K_P2=next_pow2(k), RESID=residual is not None, L2_BYTES=l2_bytes,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     if split > 1:
         block = 1024 if m * n >= 1024 else max(16, next_pow2(m * n))
         _splitk_reduce_kernel[(cdiv(m * n, block),)](
-            ws, out2, r2, m, n, out2.stride(0), r2.stride(0), n if swiglu else 0, SPLIT_K=split, SWIGLU=swiglu,
-            BLOCK=block, num_warps=4, RESID=residual is not None, **pdl)
+            ws, out2, m, n, out2.stride(0), n if swiglu else 0, SPLIT_K=split, SWIGLU=swiglu,
+            BLOCK=block, num_warps=4, **pdl)
     return out
 
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                config: SkinnyConfig | None = None, workspace: torch.Tensor | None = None,
-                norm_weight: torch.Tensor | None = None, eps: float = 1e-5,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) @ W(N, K)^T -> (..., N) for M <= 16 rows; see the module docstring. With ``norm_weight``,
-    x is RMS-normalised first (``rms_norm(x, norm_weight, eps) @ W^T``); with ``residual``, the result is
-    ``residual + y`` (``out=residual`` updates the residual stream in place)."""
-    return _launch(x, w, out, config, workspace, False, norm_weight, eps, residual)
+                config: SkinnyConfig | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) @ W(N, K)^T -> (..., N) for M <= 16 rows; see the module docstring."""
+    return _launch(x, w, out, config, workspace, False)
 
 
 def skinny_gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                       config: SkinnyConfig | None = None, workspace: torch.Tensor | None = None,
-                       norm_weight: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
-    """silu(x @ Wg^T) * (x @ Wu^T) with W = [Wg; Wu] (2I, K) -> (..., I) for M <= 16 rows (``norm_weight``: x
-    RMS-normalised first, as in ``skinny_gemm``)."""
-    return _launch(x, w, out, config, workspace, True, norm_weight, eps)
+                       config: SkinnyConfig | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x @ Wg^T) * (x @ Wu^T) with W = [Wg; Wu] (2I, K) -> (..., I) for M <= 16 rows."""
+    return _launch(x, w, out, config, workspace, True)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

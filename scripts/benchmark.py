@@ -3,6 +3,7 @@
     bash benchmark.sh [--only latency,decode,encoder,throughput,breakdown,invariant,coldstart,serve,longform]
                       [--quick]
                       [--no-peers] [--no-compiled-peer] [--out DIR]
+    (benchmark.sh runs ``python -m scripts.benchmark`` from the checkout root; the helpers are scripts/bench/*)
 
 Every section runs ours and the peers on the same full-size GLM-ASR checkpoint with random bf16 weights
 (built on the GPU once: timing does not depend on weight values; token counts are forced with ignore_eos /
@@ -23,14 +24,15 @@ from pathlib import Path
 
 import torch
 
+import glmasr
+from glmasr import cuda_graphs
+from glmasr.engine.model_runner import ModelRunner
+from glmasr.options import EngineOptions
+from glmasr.random_checkpoint import ensure_full_size_checkpoint
+from scripts.bench.triton_hooks import triton_compiles
+from scripts.bench.workloads import mixed_clips, noise_clip as clip
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-import glmasr  # noqa: E402
-from glmasr.engine.engine import Engine  # noqa: E402
-from glmasr.random_checkpoint import ensure_full_size_checkpoint  # noqa: E402
-from triton_hooks import triton_compiles  # noqa: E402
-from workloads import mixed_clips, noise_clip as clip  # noqa: E402
 
 SECTIONS = ("latency", "decode", "encoder", "throughput", "breakdown", "invariant", "serve", "longform", "coldstart",
             "firstcall")
@@ -51,6 +53,8 @@ def sync():
 
 
 def sync_time(fn, warmup=2, runs=5):
+    if SMOKE:  # the smoke run checks the plumbing: one untimed-quality call (the interpreter is slow)
+        warmup, runs = 0, 1
     for _ in range(warmup):
         fn()
     times = []
@@ -73,8 +77,7 @@ def measure_peaks():
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_ms = sync_time(lambda: a @ b, 3, 10)
-    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-    from read_peak import read_GBps
+    from scripts.bench.read_peak import read_GBps
 
     return {"copy_GBps": 2 * 2 * 1024 ** 3 / copy_ms / 1e6, "read_GBps": read_GBps(),
             "bf16_matmul_TFLOPs": 2 * 8192 ** 3 / mm_ms / 1e9}
@@ -130,36 +133,24 @@ def section_latency(asr, peers, quick):
 
 
 def section_decode(asr, peaks, quick):
-    """ms per token at batch 1 for each context: the shipped step (the kernel chain) and, in the same run, the
-    opt-in persistent one (one launch over all layers)."""
+    """ms per token at batch 1 for each context, against the weight-streaming floors."""
     model = asr.model
     cfg = asr.config.text
-    weight_bytes = sum(t.numel() * t.element_size() for lw in model.dec_layers
-                       for t in (lw.w_qkv, lw.w_o, lw.w_gate_up, lw.w_down)) + model.lm_head.numel() * 2
+    weight_bytes = model.decoder.weight_bytes()
     floor_ms = weight_bytes / (peaks["copy_GBps"] * 1e6)
     read_floor_ms = weight_bytes / (peaks["read_GBps"] * 1e6) if peaks.get("read_GBps") else None
     rows = []
-    steps = 8  # decode steps per timed call (one read-back round)
-    saved = getattr(model, "decode_step", None)
-    kinds = (saved,) if saved is None or SMOKE else (saved, "chain" if saved == "persistent" else "persistent")
-    try:
-        for kind in kinds:
-            if kind is not None:
-                model.decode_step = kind
-            runner = decode_runner(model, cfg.max_position_embeddings)
-            for ctx in ((64,) if SMOKE else (64, 2048) if quick else (64, 512, 2048, 8192)):
-                # the timed steps write positions ctx-1 .. ctx+6: keep them inside the cache (8192 -> 8184)
-                ctx = min(ctx, runner.capacity - steps)
-                fill_decode_state(runner, cfg, ctx)
-                ms = sync_time(decode_round(runner, 1, ctx, steps), 2, 10) / steps
-                rows.append({"decode_step": kind, "context": ctx, "ms_per_token": ms, "floor_ms": floor_ms,
-                             "pct_of_floor": 100 * floor_ms / ms, "read_floor_ms": read_floor_ms,
-                             "pct_of_read_floor": 100 * read_floor_ms / ms if read_floor_ms else None})
-                print(rows[-1], flush=True)
-            del runner
-    finally:
-        if saved is not None:
-            model.decode_step = saved
+    steps = 2 if SMOKE else 8  # decode steps per timed call (one read-back round)
+    runner = decode_runner(model, 1024 if SMOKE else cfg.max_position_embeddings)
+    for ctx in ((64,) if SMOKE else (64, 2048) if quick else (64, 512, 2048, 8192)):
+        # the timed steps write positions ctx-1 .. ctx+6: keep them inside the cache (8192 -> 8184)
+        ctx = min(ctx, runner.capacity - steps)
+        fill_decode_state(runner, cfg, ctx)
+        ms = sync_time(decode_round(runner, 1, ctx, steps), 2, 10) / steps
+        rows.append({"context": ctx, "ms_per_token": ms, "floor_ms": floor_ms, "pct_of_floor": 100 * floor_ms / ms,
+                     "read_floor_ms": read_floor_ms,
+                     "pct_of_read_floor": 100 * read_floor_ms / ms if read_floor_ms else None})
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -169,7 +160,7 @@ def section_invariant(asr):
     in each mode, so neither pays for the other's graph captures)."""
     model, cfg = asr.model, asr.config.text
     rows = []
-    steps, ctx = (2, 16) if SMOKE else (8, 512)
+    steps, ctx = (1, 16) if SMOKE else (8, 512)
     reps = (1, 1) if SMOKE else (2, 10)  # warm-up and timed calls (the smoke run only checks the plumbing)
     for invariant in (False, True):
         runner = decode_runner(model, ctx + steps, max_batch=2 if SMOKE else 8, batch_invariant=invariant)
@@ -203,22 +194,10 @@ def section_invariant(asr):
     return rows
 
 
-def persistent_configs(model, ctx: int = 64) -> dict:
-    """The persistent decode launch alone over the model's weights, per variant (scripts/bench/persistent_probe.py)."""
-    from persistent_probe import VARIANTS, time_variants
-
-    if getattr(model, "dec_stack", None) is None or model.persistent_support:
-        return {}
-    c = model.cfg.text
-    return time_variants(model.dec_stack, model.dec_cos, model.dec_sin, c.num_attention_heads, c.num_key_value_heads,
-                         c.head_dim, c.rms_norm_eps, ctx, VARIANTS[:1] if SMOKE else VARIANTS,
-                         log=lambda *a: print(*a, flush=True))
-
-
-def decode_runner(model, capacity: int, max_batch: int = 1, **options):
+def decode_runner(model, capacity: int, max_batch: int = 1, graphs: bool = True, **options):
     """The device side of an engine of ``max_batch`` slots (default one) with a KV cache of ``capacity``
-    positions, for timing decode steps."""
-    runner = Engine(model, max_batch=max_batch, **options).runner
+    positions, for timing decode steps (``graphs`` off: eager launches, for the profiler's kernel records)."""
+    runner = ModelRunner(model, EngineOptions(max_batch=max_batch, **options).resolved(DEV), graphs=graphs)
     with torch.inference_mode():
         runner.ensure_capacity(capacity)
     return runner
@@ -256,34 +235,23 @@ def encoder_flops_per_window(cfg) -> float:
 
 
 def section_encoder(asr, peers, peaks, quick):
+    """ms per 30 s window at 1 / 8 / 32 windows: the engine's encoder (the runner's: CUDA graphs for the counts in
+    ``model_runner.ENCODER_BUCKETS``, eager above), and per count the model's eager pass against a graph of
+    exactly that many windows (the evidence for which counts replay graphs)."""
     rows = []
     flops = encoder_flops_per_window(asr.config)
+    model = asr.model
+    runner = ModelRunner(model, EngineOptions(max_batch=1).resolved(DEV))
     for w in ((1, 2) if SMOKE else (1, 32) if quick else (1, 8, 32)):
         feats = torch.randn(w, asr.config.audio.num_mel_bins, 3000, device=DEV)
         with torch.inference_mode():
-            ms = sync_time(lambda: asr.model.encode_audio(feats), 2, 5) / w
+            ms = sync_time(lambda: runner.encode_audio(feats), 2, 5) / w
         row = {"windows": w, "ours_ms_per_window": ms,
                "pct_of_bf16_peak": 100 * flops / (ms * 1e-3) / (peaks["bf16_matmul_TFLOPs"] * 1e12)}
-        model = asr.model
-        if hasattr(model, "_encode_graphed"):
-            # eager against a graph of exactly w windows, same run: the evidence for which counts replay graphs
-            # (FastGlmAsrModel.ENCODER_BUCKETS)
+        if model.triton_encoder and DEV == "cuda":
             with torch.inference_mode():
-                row["ours_eager_ms_per_window"] = sync_time(lambda: model._encode_eager(feats), 2, 5) / w
-                row["ours_graphed_ms_per_window"] = sync_time(lambda: model._encode_graphed(feats), 2, 5) / w
-                if w not in model.ENCODER_BUCKETS:
-                    model.reset_encoder_graphs()  # a graph encode_audio does not replay: free its pool
-        if hasattr(model, "encoder_sdpa") and not SMOKE:
-            # the other attention backend, same run (graphs re-captured for it)
-            saved = model.encoder_sdpa
-            try:
-                model.encoder_sdpa = ("flash", "efficient", "math")
-                model.reset_encoder_graphs()
-                with torch.inference_mode():
-                    row["ours_flash_attention_ms_per_window"] = sync_time(lambda: model.encode_audio(feats), 2, 5) / w
-            finally:
-                model.encoder_sdpa = saved
-                model.reset_encoder_graphs()
+                row["ours_eager_ms_per_window"] = sync_time(lambda: model.encode_audio(feats), 2, 5) / w
+                row["ours_graphed_ms_per_window"] = graphed_ms(model.encode_audio, feats) / w
         if peers is not None:
             enc = peers.eager.model
             mask = torch.ones(w, 3000, dtype=torch.long, device=DEV)
@@ -292,7 +260,24 @@ def section_encoder(asr, peers, peaks, quick):
                     lambda: enc.get_audio_features(feats.to(DTYPE), mask), 1, 3) / w
         rows.append(row)
         print(row, flush=True)
+    del runner
     return rows
+
+
+def graphed_ms(fn, x, warmup=2, runs=5) -> float:
+    """ms per call of ``fn(x)`` replayed from a CUDA graph captured for x's shape (what the runner does for its
+    encoder buckets: input copied in, graph replayed, output cloned); the graph is freed afterwards."""
+    static_in = x.clone()
+    graph, static_out = cuda_graphs.capture(lambda: fn(static_in), x.device)
+
+    def call():
+        static_in.copy_(x)
+        graph.replay()
+        return static_out.clone()
+
+    ms = sync_time(call, warmup, runs)
+    del graph, static_out
+    return ms
 
 
 def section_throughput(asr, peers, quick):
@@ -308,17 +293,6 @@ def section_throughput(asr, peers, quick):
         print(rows[-1], flush=True)
     rows[-1]["stages"] = throughput_stages(asr, audios, new_tokens, slots)
     print({"stages": rows[-1]["stages"]}, flush=True)
-    # the earlier prefill (right-padded per length group, cuDNN SDPA) at the largest slot count, same run
-    asr.reconfigure(prefill="padded")
-    try:
-        t = sync_time(lambda: glmasr.transcribe(audios, model=asr, sampling_rate=16000, max_new_tokens=new_tokens,
-                                                ignore_eos=True, max_batch=slots), 1, 1)
-        rows.append({"impl": f"ours, {slots} slots, padded prefill", "windows": n_windows, "wall_s": t / 1e3,
-                     "RTFx": 30.0 * n_windows / (t / 1e3),
-                     "stages": throughput_stages(asr, audios, new_tokens, slots)})
-        print(rows[-1], flush=True)
-    finally:
-        asr.reconfigure(prefill="packed")
     rows += mixed_throughput(asr, slots)
     if peers is not None:
         # transformers eager at batch 16 on 32 windows (a rate: RTFx does not depend on the count)
@@ -339,12 +313,10 @@ def mixed_throughput(asr, slots) -> list[dict]:
     audios = mixed_clips(n)
     total_s = float(sum(len(a) for a in audios)) / 16000
     rows = []
-    # today's packed prefill first (so it gets no head start from the other's warm caches), then the padded one
-    for prefill, label in (("packed", "first call"), ("packed", "warm"), ("padded", "first call"), ("padded", "warm")):
+    for label in ("first call", "warm"):
         if label == "first call":
-            asr.reconfigure(max_batch=slots, prefill=prefill)
-            asr.close()  # the next request builds the engine afresh
-        enc_graphs = len(getattr(asr.model, "_enc_graphs", {}))
+            asr.reconfigure(max_batch=slots)
+            asr._stop_engine()  # the next request builds the engine afresh
         # the fresh engine is built here (what transcribe would do first; its time counts), so its runner can be
         # timed
         sync()
@@ -356,15 +328,12 @@ def mixed_throughput(asr, slots) -> list[dict]:
                                                            max_new_tokens=new_tokens, ignore_eos=True))
         stages["engine_build_ms"] = build_ms
         wall = (stages["wall_ms"] + build_ms) / 1e3
-        rows.append({"impl": f"ours, {slots} slots, {n} mixed clips 1-30 s x {new_tokens} tokens, {label}"
-                             + ("" if prefill == "packed" else ", padded prefill"),
+        rows.append({"impl": f"ours, {slots} slots, {n} mixed clips 1-30 s x {new_tokens} tokens, {label}",
                      "windows": n, "audio_s": round(total_s, 1), "wall_s": wall, "RTFx": total_s / wall,
-                     # where a first call's extra time goes: GPU time per kind, graph captures (host ms), eager
-                     # decode rounds, encoder graphs captured (they live on the model, across engines)
-                     "stages": stages,
-                     "encoder_graphs_captured": len(getattr(asr.model, "_enc_graphs", {})) - enc_graphs})
+                     # where a first call's extra time goes: GPU time per kind, graph captures (host ms: encoder,
+                     # prefill, decode), eager decode rounds
+                     "stages": stages})
         print(rows[-1], flush=True)
-    asr.reconfigure(prefill="packed")
     return rows
 
 
@@ -463,8 +432,9 @@ def kernel_stages(fn, iters: int) -> dict:
 
 
 def section_breakdown(asr, peaks):
-    """Where the time goes: latency stages of the 3.5 s / 13-token case, the decode step (graph time with and
-    without PDL, with cuBLAS GEMMs, and GPU time per kernel stage), the encoder per stage at 1 and 32 windows."""
+    """Where the time goes: latency stages of the 3.5 s / 13-token case, the decode step (graph time at batch 1
+    and 8, batch 1 without PDL, and GPU time per kernel stage), the encoder per stage at 1 and 32 windows (eager
+    launches)."""
     from glmasr_kernels import _triton_utils
 
     report = {}
@@ -491,58 +461,30 @@ def section_breakdown(asr, peaks):
         run = decode_round(runner, batch, ctx, steps)
         return (sync_time(run, 0, 1) if SMOKE else sync_time(run, 2, 10)) / steps
 
-    from glmasr_kernels import skinny_gemm
-
-    # The step as shipped against the alternatives measured (batch 1; batch 8 for the two chains): the fused
-    # chain (norms in the GEMV prologues, residual adds in their epilogues, RoPE + append in attention), the L2
-    # prefetch of the GEMVs' weight slices, no PDL, cuBLAS GEMMs.
+    # The step as shipped (graph-timed, batch 1 and 8) and, in the same run, without programmatic dependent launch
+    # (the kernels' test switch, _triton_utils.set_pdl: what PDL is worth)
     variants = {}
-    saved_gemm = getattr(model, "decode_gemm", None)
-    saved_fused = getattr(model, "fused_decode", None)
-    saved_step = getattr(model, "decode_step", None)
-    saved_l2 = skinny_gemm.L2_PREFETCH
     try:
-        for label, pdl, gemm, fused, l2, step in (
-                ("default", None, saved_gemm, saved_fused, saved_l2, saved_step),
-                ("chain", None, saved_gemm, saved_fused, saved_l2, "chain"),
-                ("persistent, no PDL", False, saved_gemm, saved_fused, saved_l2, "persistent"),
-                ("fused chain", None, saved_gemm, True, saved_l2, "chain"),
-                ("L2 prefetch of the weight slices", None, saved_gemm, saved_fused, True, "chain"),
-                ("chain, no PDL", False, saved_gemm, saved_fused, saved_l2, "chain"),
-                ("cuBLAS GEMMs, no PDL", False, "cublas", saved_fused, saved_l2, "chain")):
-            if SMOKE and label not in ("default", "fused chain"):
+        for label, pdl, batch in (("default", None, 1), ("default, batch 8", None, 8), ("no PDL", False, 1)):
+            if SMOKE and label == "no PDL":
                 continue
             _triton_utils.set_pdl(pdl)
-            skinny_gemm.L2_PREFETCH = l2
-            if saved_gemm is not None:
-                model.decode_gemm, model.fused_decode, model.decode_step = gemm, fused, step
-            runner = decode_runner(model, 1024 if SMOKE else 4096)
-            variants[label] = step_ms(runner)
+            runner = decode_runner(model, 1024 if SMOKE else 4096, max_batch=batch)
+            variants[label] = step_ms(runner, batch=batch)
             del runner
-            if label in ("default", "fused chain"):
-                runner = decode_runner(model, 1024 if SMOKE else 4096, max_batch=8)
-                variants[label + ", batch 8"] = step_ms(runner, batch=8, steps=8)
-                del runner
     finally:
         _triton_utils.set_pdl(None)
-        skinny_gemm.L2_PREFETCH = saved_l2
-        if saved_gemm is not None:
-            model.decode_gemm, model.fused_decode, model.decode_step = saved_gemm, saved_fused, saved_step
     report["decode_step_graph_ms"] = variants
-    report["persistent_configs"] = persistent_configs(model, ctx)
-    runner = decode_runner(model, 1024 if SMOKE else 4096, cuda_graphs=False)
+    runner = decode_runner(model, 1024 if SMOKE else 4096, graphs=False)
     step_ms(runner, steps=1)
     report["decode_step_kernels"] = kernel_stages(decode_round(runner, 1, ctx, 1), 1 if SMOKE else 5)
     del runner
     print({"decode_step_graph_ms": variants}, report["decode_step_kernels"], flush=True)
 
-    report["encoder_variants_ms_per_window"] = encoder_variants(model, asr.config.audio.num_mel_bins)
-    print(report["encoder_variants_ms_per_window"], flush=True)
     for w in ((1,) if SMOKE else (1, 32)):
         feats = torch.randn(w, asr.config.audio.num_mel_bins, 3000, device=DEV)
         with torch.inference_mode():
-            st = kernel_stages(lambda: model._encode_eager(feats) if hasattr(model, "_encode_eager")
-                               else model.encode_audio(feats), 1 if SMOKE else 2)
+            st = kernel_stages(lambda: model.encode_audio(feats), 1 if SMOKE else 2)
         st = {k: ({s: v / w for s, v in val.items()} if k == "stages_ms" else
                   val / w if k == "kernel_ms" else val) for k, val in st.items()}
         report[f"encoder_{w}_windows_per_window"] = st
@@ -550,44 +492,12 @@ def section_breakdown(asr, peaks):
     return report
 
 
-def encoder_variants(model, n_mels: int) -> dict:
-    """Encoder per window (graphed ``encode_audio``, 1 and 32 windows) with each op's implementation switched
-    (``FastGlmAsrModel.encoder_kernels``): today's choice, then each op alone on the other implementation, then
-    all GEMMs and attention on the Triton kernels."""
-    if not hasattr(model, "encoder_kernels") or DEV != "cuda":
-        return {}  # the Triton encoder kernels over 1500-frame windows take minutes in the CPU interpreter
-    saved = dict(model.encoder_kernels)
-    impls = {"attention": ("sdpa", "triton", "triton-rope")}
-    cases = [("default", {})] + [(f"{op} -> {alt}", {op: alt}) for op, v in saved.items()
-                                 for alt in impls.get(op, ("cublas", "triton")) if alt != v]
-    cases.append(("all triton", {op: "triton" for op in saved}))
-    table = {}
-    try:
-        for label, change in cases:
-            model.encoder_kernels = dict(saved, **change)
-            model.reset_encoder_graphs()
-            row = {}
-            for w in ((1,) if SMOKE else (1, 32)):
-                feats = torch.randn(w, n_mels, 3000, device=DEV)
-                try:
-                    with torch.inference_mode():
-                        row[w] = sync_time(lambda: model.encode_audio(feats), 1, 1 if SMOKE else 5) / w
-                except Exception as e:  # a kernel that fails to compile or run here: recorded, not fatal
-                    row[w] = f"{type(e).__name__}: {str(e)[:200]}"
-            table[label] = row
-            print(label, row, flush=True)
-    finally:
-        model.encoder_kernels = saved
-        model.reset_encoder_graphs()
-    return table
-
-
 # Cold start: one fresh process per case (scripts/bench/coldstart_child.py, the program each case runs), with the
 # warm-up on (what a server does before it answers: asr.warmup()) or off (kernels compile and graphs are captured
 # lazily in the first request), and the caches cold (fresh empty GLMASR_CACHE_DIR, TRITON_CACHE_DIR, and
 # TORCHINDUCTOR_CACHE_DIR / CUDA_CACHE_PATH for good measure) or warm (the same folders again, as the cold run of
 # that case left them). The checkpoint file is in the OS page cache in every case (the parent just read it).
-COLDSTART_CHILD = ROOT / "scripts" / "bench" / "coldstart_child.py"
+COLDSTART_CHILD = "scripts.bench.coldstart_child"  # run as a module from the checkout root
 COLDSTART_CASES = ((True, "cold"), (True, "warm"), (False, "cold"), (False, "warm"))  # (warm-up, caches)
 # Targets for import glmasr + glmasr.load + warm-up + the first transcript (import torch excluded).
 COLDSTART_TARGET_S = {"cold": 10.0, "warm": 2.5}
@@ -607,6 +517,12 @@ def _stage_sum(stages: dict) -> float:
                and (k.endswith("_total_ms") or not any(k.startswith(p) for p in prefixes)))
 
 
+def CHILD_BACKEND() -> str:
+    """The fresh processes' backend: the product's ("triton"), except the smoke run on the CPU, which checks the
+    sections' plumbing and would spend minutes per process in the Triton interpreter."""
+    return "torch" if SMOKE and DEV == "cpu" else "triton"
+
+
 def coldstart_case(folder: Path, warmup: bool, caches: str, cache_dir: Path, timeout_s: float, seconds: float,
                    new_tokens: int, extra_args: tuple[str, ...] = ()) -> dict:
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -614,13 +530,13 @@ def coldstart_case(folder: Path, warmup: bool, caches: str, cache_dir: Path, tim
                TORCHINDUCTOR_CACHE_DIR=str(cache_dir / "inductor"), CUDA_CACHE_PATH=str(cache_dir / "cuda"))
     result = cache_dir / f"result-{caches}.json"
     result.unlink(missing_ok=True)
-    cmd = [sys.executable, str(COLDSTART_CHILD), str(folder), str(result), "--device", DEV,
-           "--dtype", str(DTYPE).replace("torch.", ""), "--backend", "triton", "--seconds", str(seconds),
+    cmd = [sys.executable, "-m", COLDSTART_CHILD, str(folder), str(result), "--device", DEV,
+           "--dtype", str(DTYPE).replace("torch.", ""), "--backend", CHILD_BACKEND(), "--seconds", str(seconds),
            "--new-tokens", str(new_tokens), *extra_args] + (["--warmup"] if warmup else [])
     row = {"case": f"warm-up {'on' if warmup else 'off'}, caches {caches}", "warmup": warmup, "caches": caches}
     t0 = time.monotonic()
     try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
         row["rc"], stderr = p.returncode, p.stderr
     except subprocess.TimeoutExpired as e:  # its stderr comes as bytes even with text=True
         err = e.stderr or ""
@@ -760,8 +676,7 @@ def section_firstcall(folder: Path) -> dict:
 
 def section_serve(asr, folder: Path, quick: bool, out: Path):
     """glmasr serve in its own process under 1-256 concurrent openai clients, beside offline on the same clips."""
-    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-    import serve_load
+    from scripts.bench import serve_load
 
     if SMOKE:
         return serve_load.run(asr, folder, levels=(1, 2), seconds=2.0, num_clips=2, device=DEV, grace=120.0,
@@ -772,8 +687,7 @@ def section_serve(asr, folder: Path, quick: bool, out: Path):
 
 def section_longform(asr, quick: bool, out: Path):
     """An hour of 44.1 kHz stereo mp3 to SRT in both segmentations, and each stage alone."""
-    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-    import longform
+    from scripts.bench import longform
 
     minutes = 0.5 if SMOKE else (10.0 if quick else 60.0)
     return longform.run(asr, minutes=minutes)  # the SRTs go to a temporary folder: only their sizes are kept

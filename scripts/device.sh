@@ -12,23 +12,21 @@
 # coldstart [ARGS]         bash benchmark.sh --only coldstart --no-peers --out OUT/coldstart ARGS (~555): 4 fresh
 #                          processes (warm-up on/off x caches cold/warm), each stage of import, load, warm-up and
 #                          the first transcript (scripts/bench/coldstart_child.py); the per-stage table comes last
-# kernels [ARGS]           bench_kernels.py ARGS (default --quick --compile-budget-s 90) (300), bench_skinny_gemm.py
-#                          --quick (150), bench_logmel.py --whisper-only --no-torchaudio (the rest, <= 120)
-# logits [PARTS]           gpu_check.py PARTS (default: logits e2e decode encoder): bf16 logits vs transformers,
+# kernels [ARGS]           bench_kernels ARGS (default --quick --compile-budget-s 90) (300), bench_skinny_gemm
+#                          --quick (150), bench_logmel --whisper-only --no-torchaudio (the rest, <= 120)
+# logits [PARTS]           gpu_check PARTS (default: logits e2e decode encoder): bf16 logits vs transformers,
 #                          end-to-end wall, decode-step graph, encoder per window (~555)
-# sweep [ARGS]             tests/test_skinny_gemm.py (200), then bench_skinny_gemm.py --sweep --budget (rest - 150)
+# sweep [ARGS]             tests/test_skinny_gemm.py (200), then bench_skinny_gemm --sweep --budget (rest - 150)
 #                          ARGS: tunes the decode GEMV configs (OUT/skinny_configs.py) (the rest, ~350)
-# trace                    latency_trace.py --out OUT/trace: the 3.5 s / 13-token case profiled (~555)
-# logmel [ARGS]            logmel_breakdown.py (150), bench_logmel.py ARGS (240), one ncu pass if >= 80 s are left
-# experiments              issue 13's A/B call: GPU tests of the new kernels (130), encoder_gemm.py (90),
-#                          encoder_attention.py (90), benchmark.sh --only breakdown (decode-step variants, 120),
-#                          logmel_breakdown.py (the rest, <= 120); the JSONs merged into OUT/experiments.json
+# trace                    latency_trace --out OUT/trace: the 3.5 s / 13-token case profiled (~555)
+# logmel [ARGS]            bench_logmel ARGS (240), one ncu pass if >= 80 s are left
 # all [BENCH-ARGS]         tests (${ALL_TESTS_S:-200}, prewarm included; ALL_TESTS_ARGS="FILES -k ..." replaces the
 #                          selection), then bash benchmark.sh BENCH-ARGS with the rest (~345)
 #
 # Every step runs under `timeout -s INT -k 15 BUDGET` (clamped to what is left of DEVICE_DEADLINE_S=580 less a
 # 25 s reserve), its whole output goes to OUT/<step>.log (benchmark JSON under OUT/bench or OUT/coldstart), and a
-# summary table (scripts/bench/summary.py, also OUT/summary.md) comes last. Each mode leaves at most 8 files under
+# summary table (scripts/bench/summary.py, also OUT/summary.md) comes last. The programs of scripts/bench/ run as
+# modules of the scripts package (python3 -m scripts.bench.NAME) from the checkout root. Each mode leaves at most 8 files under
 # OUT, none deeper than 2 folders (what the device tool brings back). DEVICE_DRY_RUN=1 prints the steps and
 # their budgets without running anything, each step assumed to use all of its budget (works on any machine);
 # DEVICE_ENV=0 uses the current Python environment instead of scripts/device_env.sh (a GPU box with everything
@@ -41,7 +39,7 @@ DEADLINE=${DEVICE_DEADLINE_S:-580}
 RESERVE=25      # timeout's kill grace (15 s) + the summary
 MIN_STEP=30     # a step with less time than this is skipped
 DRY=${DEVICE_DRY_RUN:-0}
-MODES="tests bench coldstart kernels logits sweep trace logmel experiments all"
+MODES="tests bench coldstart kernels logits sweep trace logmel all"
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 case " $MODES " in
@@ -112,12 +110,12 @@ run_tests() {
     local args=("$@")
     [ ${#args[@]} -gt 0 ] || args=("${PRIORITY_TESTS[@]}" -k "not nvrtc_compiles")
     if [ -z "$*" ] || [[ " $* " == *logmel* ]] || [[ " $* " == *" tests "* ]] || [[ " $* " == *" tests/ "* ]]; then
-        step prewarm $(( want / 2 < 120 ? want / 2 : 120 )) prewarm.log python3 scripts/bench/prewarm_logmel.py
+        step prewarm $(( want / 2 < 120 ? want / 2 : 120 )) prewarm.log python3 -m scripts.bench.prewarm_logmel
     fi
     b=$(budget_for $(( want - (SECONDS + SIM - T_TESTS) )))
     # pytest stops starting tests 40 s before the timeout: a test in flight can finish and the summary prints
-    step pytest "$b" pytest.log env PYTHONPATH="scripts/bench:${PYTHONPATH:-}" python3 -m pytest -q \
-        -p no:cacheprovider -p pytest_budget --budget-s $(( b > 80 ? b - 40 : b / 2 )) -rfE --durations=10 \
+    step pytest "$b" pytest.log python3 -m pytest -q \
+        -p no:cacheprovider -p scripts.bench.pytest_budget --budget-s $(( b > 80 ? b - 40 : b / 2 )) -rfE --durations=10 \
         "${args[@]}"
 }
 
@@ -132,19 +130,19 @@ case $MODE in
             --out "$OUT/coldstart" "$@" ;;
     kernels)
         [ $# -gt 0 ] || set -- --quick --compile-budget-s 90
-        step bench_kernels 300 bench_kernels.log python3 scripts/bench/bench_kernels.py "$@"
-        step bench_skinny 150 bench_skinny.log python3 scripts/bench/bench_skinny_gemm.py --quick
-        step bench_logmel 120 bench_logmel.log python3 scripts/bench/bench_logmel.py --whisper-only --no-torchaudio ;;
+        step bench_kernels 300 bench_kernels.log python3 -m scripts.bench.bench_kernels "$@"
+        step bench_skinny 150 bench_skinny.log python3 -m scripts.bench.bench_skinny_gemm --quick
+        step bench_logmel 120 bench_logmel.log python3 -m scripts.bench.bench_logmel --whisper-only --no-torchaudio ;;
     logits)
         [ $# -gt 0 ] || set -- logits e2e decode encoder
-        step gpu_check 600 gpu_check.log python3 scripts/bench/gpu_check.py --out "$OUT" "$@" ;;
+        step gpu_check 600 gpu_check.log python3 -m scripts.bench.gpu_check --out "$OUT" "$@" ;;
     sweep)
         run_tests 200 tests/test_skinny_gemm.py
         b=$(budget_for 600)
-        step sweep "$b" sweep.log python3 scripts/bench/bench_skinny_gemm.py --sweep \
+        step sweep "$b" sweep.log python3 -m scripts.bench.bench_skinny_gemm --sweep \
             --budget $(( b - 150 > 60 ? b - 150 : 60 )) "$@" ;;
     trace)
-        step trace 600 trace.log python3 scripts/bench/latency_trace.py --out "$OUT/trace" ;;
+        step trace 600 trace.log python3 -m scripts.bench.latency_trace --out "$OUT/trace" ;;
     logmel)
         export FLASHMEL_CACHE_DIR=${FLASHMEL_CACHE_DIR:-/tmp/flashmel_cache}
         if [ "$DRY" != 1 ] && python3 -c "import flashmel" 2>/dev/null; then
@@ -152,36 +150,17 @@ case $MODE in
             SYS=$(python3 -c "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))")
             cp -rn "$SYS"/nvidia/cu13/include/. /tmp/site/nvidia/cu13/include/ 2>/dev/null
         fi
-        step breakdown 150 breakdown.log python3 scripts/bench/logmel_breakdown.py --out "$OUT"
-        step bench_logmel 240 bench_logmel.log python3 scripts/bench/bench_logmel.py --out "$OUT" "$@"
+        step bench_logmel 240 bench_logmel.log python3 -m scripts.bench.bench_logmel --out "$OUT" "$@"
         if command -v ncu >/dev/null && [ "$(budget_for 120)" -ge 80 ]; then
             step ncu 120 ncu.txt ncu --kernel-name logmel_main --launch-skip 1 --launch-count 1 \
                 --section SpeedOfLight --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
                 python3 -c "import torch; from glmasr_kernels.logmel import whisper_features as w; x=torch.randn(128,480000,device='cuda')*0.1; w(x); w(x); torch.cuda.synchronize()"
         fi ;;
-    experiments)
-        [ $# -gt 0 ] || set -- tests/test_skinny_gemm.py tests/test_gemm_epilogue.py tests/test_encoder_attention.py \
-            tests/test_fast_path.py tests/test_triton_kernels.py -k "not nvrtc_compiles"
-        run_tests 130 "$@"
-        mkdir -p "$OUT/exp"
-        step encoder_gemm 90 encoder_gemm.log python3 scripts/bench/encoder_gemm.py --out "$OUT/exp" --budget-s 75
-        step encoder_attention 90 encoder_attention.log python3 scripts/bench/encoder_attention.py --out "$OUT/exp" \
-            --budget-s 75
-        step breakdown 120 breakdown.log bash benchmark.sh --only breakdown --no-peers --out "$OUT/exp/bench"
-        step logmel 120 logmel.log python3 scripts/bench/logmel_breakdown.py --out "$OUT/exp"
-        [ "$DRY" = 1 ] || python3 - "$OUT" <<'PY'
-import json, pathlib, shutil, sys
-out = pathlib.Path(sys.argv[1])
-merged = {str(p.relative_to(out / "exp")): json.loads(p.read_text()) for p in sorted((out / "exp").rglob("*.json"))}
-(out / "experiments.json").write_text(json.dumps(merged, indent=1))
-shutil.rmtree(out / "exp")
-PY
-        ;;
     all)
         # shellcheck disable=SC2086 # ALL_TESTS_ARGS: pytest arguments (files, -k), split on spaces
         run_tests "${ALL_TESTS_S:-200}" ${ALL_TESTS_ARGS:-}
         FILTER=$BENCH_FILTER step bench 600 bench.log bash benchmark.sh --out "$OUT/bench" "$@" ;;
 esac
 
-python3 scripts/bench/summary.py --out "$OUT" --mode "$MODE${*:+ $*}" --header "$HEADER" "${STEPS[@]}"
+python3 -m scripts.bench.summary --out "$OUT" --mode "$MODE${*:+ $*}" --header "$HEADER" "${STEPS[@]}"
 exit $FAILED

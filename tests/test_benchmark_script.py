@@ -1,4 +1,5 @@
-"""benchmark.sh's script runs end to end at toy sizes (``--smoke``), so a GPU run does not fail on plumbing."""
+"""benchmark.sh's script runs end to end at toy sizes (``--smoke``), so a GPU run does not fail on plumbing; it is
+run the way benchmark.sh runs it (``python -m scripts.benchmark`` from the checkout root: no sys.path patches)."""
 
 import json
 import os
@@ -15,10 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
                     reason="needs CUDA, or TRITON_INTERPRET=1 to run the Triton path on the CPU")
 def test_benchmark_smoke(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--smoke", "--no-peers",
-                        "--only", "latency,decode,breakdown,invariant,coldstart,firstcall", "--out", str(tmp_path)],
-                       capture_output=True,
-                       text=True, timeout=900)
+    p = subprocess.run([sys.executable, "-m", "scripts.benchmark", "--smoke", "--no-peers",
+                        "--only", "latency,decode,encoder,breakdown,invariant,coldstart,firstcall",
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
     report = json.loads((tmp_path / "benchmark.json").read_text())
     check_coldstart(report["coldstart"])
@@ -28,6 +28,8 @@ def test_benchmark_smoke(tmp_path):
     assert "error" not in report["latency"] and "error" not in report["decode"]
     assert "error" not in report["breakdown"], report["breakdown"]
     assert report["breakdown"]["decode_step_graph_ms"]["default"] > 0
+    assert report["breakdown"]["decode_step_graph_ms"]["default, batch 8"] > 0
+    assert "error" not in report["encoder"] and report["encoder"][0]["ours_ms_per_window"] > 0
     inv = report["invariant"]
     assert isinstance(inv, list), inv
     assert {(r["case"], r["batch_invariant"]) for r in inv} == {(r["case"], m) for r in inv for m in (False, True)}
@@ -65,6 +67,22 @@ def check_firstcall(fc):
 
 
 def test_benchmark_rejects_unknown_sections(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--only", "speed",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "scripts.benchmark", "--only", "speed", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "unknown sections" in p.stderr
+
+
+def test_scripts_import_without_path_patches():
+    """Every program and helper of scripts/ imports as a module of the scripts package from the checkout root (how
+    benchmark.sh and scripts/device.sh run them), and none patches sys.path."""
+    import ast
+
+    files = sorted((ROOT / "scripts").rglob("*.py"))
+    patched = [f"{p.relative_to(ROOT)}:{n.lineno}" for p in files for n in ast.walk(ast.parse(p.read_text()))
+               if isinstance(n, ast.Attribute) and n.attr == "path" and isinstance(n.value, ast.Name)
+               and n.value.id == "sys"]
+    assert not patched, f"sys.path patched in {patched}"
+    modules = [".".join(p.relative_to(ROOT).with_suffix("").parts) for p in files if p.name != "__init__.py"]
+    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\nprint('ok')"
+    p = subprocess.run([sys.executable, "-c", code, *modules], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]

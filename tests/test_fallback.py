@@ -1,7 +1,7 @@
 """Configs a kernel cannot serve: the part concerned falls back to the plain path at load, with one warning.
 
-``kernel_support`` is checked on configs alone (no weights: some violations need sizes far beyond a CPU test)
-for each constraint of the kernels ``models/fast.py`` launches. The load-time fallback runs end to end under
+``kernel_support`` (models/kernel_support.py) is checked on configs alone (no weights: some violations need
+sizes far beyond a CPU test) for each constraint of the kernels the GPU path launches. The load-time fallback runs end to end under
 TRITON_INTERPRET=1 on tiny checkpoints: a decoder head_dim that is not a power of two (a real tiny violation),
 and, for the limits only huge configs reach (norm widths, Triton's block cap), the same tiny model with the
 limit lowered (the module constants ``kernel_support`` reads; a test below pins them to the kernels' checks).
@@ -25,6 +25,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
                                    reason="needs CUDA, or TRITON_INTERPRET=1 to run the Triton kernels on the CPU")
 fast = pytest.importorskip("glmasr.models.fast")
+ks = pytest.importorskip("glmasr.models.kernel_support")
 
 
 def config(audio=None, text=None) -> GlmAsrConfig:
@@ -61,8 +62,10 @@ def test_real_and_tiny_configs_are_fully_supported(tiny_shipped):
     ({}, {"num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32768}, "decoder",
      ["text_config.head_dim = 32768", "decode attention", "tile of 2097152 elements"]),
     ({"num_mel_bins": 64}, {}, "frontend", ["audio_config.num_mel_bins = 64", "kernels/logmel", "80 or 128"]),
+    ({"hidden_size": 96, "num_attention_heads": 4, "head_dim": 24}, {}, "encoder",
+     ["audio_config.head_dim = 24", "encoder attention", "power of two"]),
 ], ids=["head-dim-12", "head-dim-96", "rmsnorm-width", "layernorm-width", "encoder-rope-block", "decoder-rope-block",
-        "decode-attention-tile", "mel-bins"])
+        "decode-attention-tile", "mel-bins", "encoder-head-dim-24"])
 def test_each_kernel_constraint_is_reported(audio, text, part, needles):
     support = fast.kernel_support(config(audio, text))
     assert support[part] is not None
@@ -83,7 +86,7 @@ def test_limits_are_the_kernels_own_checks():
     from glmasr_kernels.layernorm import layer_norm
     from glmasr_kernels.rmsnorm import rms_norm
 
-    n = fast.NORM_MAX_WIDTH
+    n = ks.NORM_MAX_WIDTH
     x = torch.randn(1, n + 1, device=DEVICE)
     w = torch.ones(n + 1, device=DEVICE)
     with pytest.raises(ValueError, match="32768"):
@@ -97,9 +100,13 @@ def test_limits_are_the_kernels_own_checks():
     kv = torch.randn(1, 2, 16, 12, device=DEVICE)
     with pytest.raises(ValueError, match="power of two"):
         decode_attention(q, kv, kv, torch.tensor([3], device=DEVICE))
+    from glmasr_kernels.encoder_attention import encoder_attention
+
+    with pytest.raises(ValueError, match="power of two"):
+        encoder_attention(torch.randn(1, 8, 3, 2, 24, device=DEVICE))
     import triton.language as tl
 
-    assert fast.TILE_MAX_NUMEL == tl.TRITON_MAX_TENSOR_NUMEL
+    assert ks.TILE_MAX_NUMEL == tl.TRITON_MAX_TENSOR_NUMEL
 
 
 def tiny_checkpoint(folder, audio=None, text=None, seed=0):
@@ -139,8 +146,9 @@ def assert_same_tokens_as_torch(asr, folder):
 def test_supported_config_loads_without_warning(tiny_shipped):
     asr, caught = load_triton(tiny_shipped)
     assert caught == []
-    assert isinstance(asr.model, fast.FastGlmAsrModel) and asr.model.uses_triton and asr.model.fallbacks == {}
-    assert len(asr.model.enc_layers) == len(asr.model.dec_layers) == 2
+    m = asr.model
+    assert isinstance(m, fast.FastGlmAsrModel) and m.triton_encoder and m.triton_decoder and m.fallbacks == {}
+    assert len(m.encoder.layers) == len(m.decoder.layers) == 2
 
 
 @needs_kernels
@@ -152,8 +160,8 @@ def test_decoder_head_dim_not_a_power_of_two_falls_back(tmp_path):
     msg = str(caught[0].message)
     assert "decoder" in msg and "text_config.head_dim = 12" in msg and "power of two" in msg
     m = asr.model
-    assert not m.uses_triton and set(m.fallbacks) == {"decoder"} and m.dec_layers == []
-    assert len(m.enc_layers) == 2  # the encoder still runs on the kernels
+    assert not m.triton_decoder and set(m.fallbacks) == {"decoder"} and m.decoder is None
+    assert m.triton_encoder and len(m.encoder.layers) == 2  # the encoder still runs on the kernels
     assert_same_tokens_as_torch(asr, folder)
 
 
@@ -161,25 +169,26 @@ def test_decoder_head_dim_not_a_power_of_two_falls_back(tmp_path):
 def test_encoder_fallback(tmp_path, monkeypatch):
     """Encoder LayerNorm width over the limit (64 > 48 here; the real limit 32768 needs a multi-GB encoder)."""
     folder = tiny_checkpoint(tmp_path)
-    monkeypatch.setattr(fast, "NORM_MAX_WIDTH", 48)  # decoder hidden 32 still fits
+    monkeypatch.setattr(ks, "NORM_MAX_WIDTH", 48)  # decoder hidden 32 still fits
     asr, caught = load_triton(folder)
     assert len(caught) == 1
     msg = str(caught[0].message)
     assert "encoder" in msg and "audio_config.hidden_size = 64" in msg and "LayerNorm" in msg
     m = asr.model
-    assert m.uses_triton and set(m.fallbacks) == {"encoder"} and m.enc_layers == [] and len(m.dec_layers) == 2
-    assert m.encode_audio == m.reference.encode_audio
+    assert m.triton_decoder and not m.triton_encoder and set(m.fallbacks) == {"encoder"} and m.encoder is None
+    assert len(m.decoder.layers) == 2
     assert_same_tokens_as_torch(asr, folder)
 
 
 @needs_kernels
 def test_both_parts_fall_back_with_one_warning_each(tmp_path, monkeypatch):
     folder = tiny_checkpoint(tmp_path, text={"head_dim": 12})
-    monkeypatch.setattr(fast, "TILE_MAX_NUMEL", 8)  # every RoPE block (4 heads x 4 dims = 16) is now too big
+    monkeypatch.setattr(ks, "TILE_MAX_NUMEL", 8)  # every RoPE block (4 heads x 4 dims = 16) is now too big
     asr, caught = load_triton(folder)
     assert len(caught) == 2
     enc, dec = (str(w.message) for w in caught)
     assert enc.startswith("GLM-ASR encoder") and "RoPE" in enc
     assert dec.startswith("GLM-ASR decoder") and "head_dim = 12" in dec and "RoPE" in dec
-    assert not asr.model.uses_triton and set(asr.model.fallbacks) == {"encoder", "decoder"}
+    m = asr.model
+    assert not (m.triton_encoder or m.triton_decoder) and set(m.fallbacks) == {"encoder", "decoder"}
     assert_same_tokens_as_torch(asr, folder)

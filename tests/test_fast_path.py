@@ -31,7 +31,7 @@ def both_paths(tiny_shipped):
 
 def test_fast_path_shares_weights_with_reference(both_paths):
     _, fast = both_paths
-    lw = fast.model.dec_layers[0]
+    lw = fast.model.decoder.layers[0]
     q = fast.model.reference.language_model.layers[0].self_attn.q_proj.weight
     assert q.data_ptr() == lw.w_qkv.data_ptr()
     up = fast.model.reference.language_model.layers[0].mlp.up_proj.weight
@@ -57,91 +57,6 @@ def test_fast_greedy_tokens_equal_reference_mixed_batch(both_paths):
     b = glmasr.transcribe(audios, model=ref, sampling_rate=16000, max_new_tokens=8)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     assert [r.finish_reason for r in a] == [r.finish_reason for r in b]
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_decode_step_equals_unfused_chain(tiny_shipped, dtype):
-    """The fused decode step (norms in the GEMV prologues, residual adds in their epilogues, RoPE + KV append in
-    decode attention) against the unfused kernel chain, same weights, a prompt then 3 steps of 3 rows (one a
-    padding row at position -1), from the same KV contents: the same hidden states and cache writes. The two
-    chains round at the same points; only the order of RMSNorm's fp32 sum of squares differs, so fp32 agrees to
-    1e-5 relative (observed ~1e-7) and bf16 within one bf16 ulp of the output (2**-7 relative) at >= 99 % of
-    the elements bit for bit."""
-    from glmasr.models.fast import FastGlmAsrModel
-    from glmasr.models.kv_cache import KVCache
-
-    if dtype == "bfloat16" and not torch.cuda.is_available():
-        pytest.skip("bf16 chain comparison runs on the GPU (the interpreter's bf16 is fp32 truncated)")
-    ref = glmasr.load(tiny_shipped, device=DEVICE, dtype=dtype, backend="torch")
-    fast = FastGlmAsrModel(ref.model, decode_gemm="skinny")
-    assert fast._fused_step_fits(3) is False  # off by default (measured slower at batch 8)
-    c = fast.cfg.text
-    dt = getattr(torch, dtype)
-    g = torch.Generator(device="cpu").manual_seed(11)
-    prompt = torch.randn(3, 12, c.hidden_size, generator=g).to(device=DEVICE, dtype=dt)
-    caches = [KVCache(c, 3, 64, DEVICE, dt) for _ in range(2)]
-    for cache in caches:
-        fast.decode(prompt, torch.arange(12, device=DEVICE).expand(3, 12), cache, kv_len=12)
-    outs = []
-    for fused, cache in zip((True, False), caches):
-        fast.fused_decode = fused
-        steps = []
-        for i in range(3):
-            x = torch.randn(3, 1, c.hidden_size, generator=torch.Generator().manual_seed(20 + i)).to(DEVICE, dt)
-            pos = torch.tensor([[12 + i], [-1], [12 + i]], device=DEVICE)
-            steps.append(fast.decode(x, pos, cache, kv_len=32))
-        outs.append((torch.stack(steps), cache))
-    (a, ca), (b, cb) = outs
-    assert torch.isfinite(a[:, [0, 2]]).all()
-    if dtype == "float32":
-        assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
-        assert torch.allclose(ca.k[0][:, :, :15], cb.k[0][:, :, :15], rtol=1e-5, atol=1e-6)
-    else:
-        assert (a == b).float().mean().item() >= 0.99
-        assert ((a - b).abs() <= 2 ** -7 * b.abs() + 1e-6).all()
-    assert torch.isfinite(ca.k[0][[0, 2], :, 12:15]).all()
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_persistent_decode_step_equals_chain(tiny_shipped, dtype):
-    """A batch-1 decode step as one persistent launch (opt-in; staged launches under the interpreter)
-    against the kernel chain, same weights, a prompt then 4 steps from the same KV contents: the same hidden
-    states and cache writes. Both round at the same points (fp32 summation order aside): fp32 within 1e-5 of
-    the largest element, bf16 within one bf16 ulp (2**-7 relative) at >= 99 % bit for bit."""
-    from glmasr.models.fast import FastGlmAsrModel
-    from glmasr.models.kv_cache import KVCache
-
-    if dtype == "bfloat16" and not torch.cuda.is_available():
-        pytest.skip("bf16 comparison runs on the GPU (the interpreter's bf16 is fp32 truncated)")
-    ref = glmasr.load(tiny_shipped, device=DEVICE, dtype=dtype, backend="torch")
-    fast = FastGlmAsrModel(ref.model, decode_step="persistent")
-    assert fast._persistent_step_fits(1) and not fast._persistent_step_fits(2)
-    c, dt = fast.cfg.text, getattr(torch, dtype)
-    g = torch.Generator().manual_seed(13)
-    prompt = torch.randn(1, 9, c.hidden_size, generator=g).to(DEVICE, dt)
-    caches = [KVCache(c, 2, 64, DEVICE, dt) for _ in range(2)]
-    row = torch.tensor([1], device=DEVICE)
-    for cache in caches:
-        fast.prefill([prompt[0]], cache, [1])
-    outs = []
-    for step_kind, cache in zip(("persistent", "chain"), caches):
-        fast.decode_step = step_kind
-        steps = []
-        for i in range(4):
-            x = torch.randn(1, 1, c.hidden_size, generator=torch.Generator().manual_seed(40 + i)).to(DEVICE, dt)
-            steps.append(fast.decode(x, torch.tensor([[9 + i]], device=DEVICE), cache, kv_len=32, rows=row))
-        outs.append((torch.stack(steps), cache))
-    (a, ca), (b, cb) = outs
-    assert torch.isfinite(a).all()
-    assert not fast._persistent_ws.error()
-    if dtype == "float32":
-        assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
-        assert torch.allclose(ca.k, cb.k, rtol=1e-5, atol=1e-6) and torch.allclose(ca.v, cb.v, rtol=1e-5, atol=1e-6)
-    else:
-        assert (a == b).float().mean().item() >= 0.99
-        assert ((a - b).abs() <= 2 ** -7 * b.abs() + 1e-6).all()
-        assert ((ca.k.float() - cb.k.float()).abs() <= 2 ** -7 * cb.k.float().abs() + 1e-6).all()
-    assert (ca.k[:, 0] == 0).all()  # row 0 untouched
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -202,7 +117,7 @@ def test_packed_prefill_equals_reference_per_prompt(tiny_shipped, dtype):
         pytest.skip("bf16 comparison runs on the GPU (the interpreter's bf16 is fp32 truncated)")
     ref = glmasr.load(tiny_shipped, device=DEVICE, dtype=dtype, backend="torch")
     fast = FastGlmAsrModel(ref.model)
-    assert fast.packed_attention == ("flash-varlen" if dtype == "bfloat16" else "sdpa")
+    assert fast.decoder.packed_attention == ("flash-varlen" if dtype == "bfloat16" else "sdpa")
     c, dt = fast.cfg.text, getattr(torch, dtype)
     g = torch.Generator().manual_seed(31)
     lengths, rows = [37, 1, 12, 5, 20], [4, 0, 6, 2, 5]
@@ -227,38 +142,31 @@ def test_packed_prefill_equals_reference_per_prompt(tiny_shipped, dtype):
             assert diff.item() < bound
 
 
-@pytest.mark.parametrize("ops", [("qkv", "o", "fc1", "fc2", "attention"), ("attention",), ("fc1", "fc2"),
-                                 ("triton-rope",)],
-                         ids=lambda ops: "+".join(ops))
-def test_encoder_triton_kernels_equal_cublas_sdpa_path(both_paths, ops):
-    """Encoder ops switched to the Triton kernels (kernels/gemm_epilogue.py, kernels/encoder_attention.py) give
-    the layers' output of the cuBLAS / SDPA path, fp32 (the GEMMs and attention differ in summation order only,
-    and fc1 rounds acc + bias before the GELU: nothing in fp32): 5e-5 relative to the largest value. One
-    layer's fp32 attention differs by ~1e-6 relative (online softmax, exp2); through the tiny encoder's layers
-    over 1500 frames the H200 measured 1.25e-5 (qkv..attention all Triton), so 5e-5 leaves 4x margin while a
-    real fault (a wrong rotation, a dropped tile) is O(1)."""
-    from glmasr.models.fast import ENCODER_KERNELS
-
+def test_encoder_attention_kernel_equals_sdpa_path(both_paths):
+    """The encoder layers with attention on kernels/encoder_attention.py (the GPU default) against torch SDPA
+    (the interpreter's default), both after ``rope_``, fp32: the two differ in summation order only, 5e-5
+    relative to the largest value. One layer's fp32 attention differs by ~1e-6 relative (online softmax, exp2);
+    through the tiny encoder's layers over 1500 frames the H200 measured 1.25e-5, so 5e-5 leaves 4x margin
+    while a real fault (a wrong rotation, a dropped tile) is O(1)."""
     from glmasr_kernels.layernorm import layer_norm
 
     _, fast = both_paths
-    model = fast.model
-    # the layers over a whole window on the GPU; at a short length under the interpreter (the kernels take any
+    enc = fast.model.encoder
+    # the layers over a whole window on the GPU; at a short length under the interpreter (the kernel takes any
     # T; 1500 frames of attention take minutes there)
     w, t, hidden = 2, 1500 if torch.cuda.is_available() else 45, fast.config.audio.hidden_size
     g = torch.Generator().manual_seed(5)
     residual = torch.randn(w, t, hidden, generator=g).to(DEVICE)
     positions = torch.arange(t, device=DEVICE, dtype=torch.int32).expand(w, t)
-    h0 = layer_norm(residual, *model.enc_layers[0].ln1, fast.config.audio.layer_norm_eps)
-    saved = dict(model.encoder_kernels)
+    h0 = layer_norm(residual, *enc.layers[0].ln1, fast.config.audio.layer_norm_eps)
+    saved = enc.attention_kernel
     try:
-        model.encoder_kernels = {op: "sdpa" if op == "attention" else "cublas" for op in ENCODER_KERNELS}
-        base = model._encoder_layers(h0, residual.clone(), positions)
-        model.encoder_kernels.update({"attention": "triton-rope"} if ops == ("triton-rope",) else
-                                     {op: "triton" for op in ops})
-        got = model._encoder_layers(h0, residual.clone(), positions)
+        enc.attention_kernel = False
+        base = enc.run_layers(h0, residual.clone(), positions)
+        enc.attention_kernel = True
+        got = enc.run_layers(h0, residual.clone(), positions)
     finally:
-        model.encoder_kernels = saved
+        enc.attention_kernel = saved
     assert torch.isfinite(got).all()
     assert ((got - base).abs().max() / base.abs().max()).item() < 5e-5
 
@@ -304,27 +212,34 @@ def test_cuda_engine_uses_fused_frontend_and_agrees(tiny_shipped):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device)")
 def test_encoder_graphs_equal_eager(tiny_shipped):
-    """Encoder replayed from CUDA graphs (1 and 2 windows; 5 windows run eagerly, no graph) equals the
-    eager encoder. fp32 with cuDNN's TF32 convolutions off; a bucket of another size may make cuBLAS/SDPA pick
-    other kernels (another summation order), so the bound is fp32 rounding through the stack: 1e-5 of the
-    output's largest magnitude (the first device run measured 2.4e-5 absolute with TF32 convolutions on)."""
+    """The runner's encoder replayed from CUDA graphs (1 and 2 windows; 5 windows run eagerly, no graph) equals
+    the model's eager encoder. fp32 with cuDNN's TF32 convolutions off; a bucket of another size may make cuBLAS
+    pick other kernels (another summation order), so the bound is fp32 rounding through the stack: 1e-5 of the
+    output's largest magnitude (the first device run measured 2.4e-5 absolute with TF32 convolutions on). The
+    model itself holds no graph."""
+    from glmasr.engine.model_runner import ENCODER_BUCKETS, ModelRunner
     from glmasr.models.fast import FastGlmAsrModel
+    from glmasr.options import EngineOptions
 
     ref = glmasr.load(tiny_shipped, device="cuda", dtype="float32", backend="torch")
-    fast = FastGlmAsrModel(ref.model, encoder_graphs=True)
+    fast = FastGlmAsrModel(ref.model)
+    runner = ModelRunner(fast, EngineOptions(max_batch=1).resolved("cuda"))
+    assert runner.encoder_buckets == ENCODER_BUCKETS == (1, 2)
     saved = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
     try:
-        for w in (1, 2, 5):
-            feats = torch.randn(w, 128, 3000, device="cuda")
-            out = fast.encode_audio(feats)
-            expect = fast._encode_eager(feats)
-            assert out.shape == expect.shape
-            err = ((out - expect).abs().max() / expect.abs().max()).item()
-            assert err < 1e-5, f"{w} windows: {err:.2e}"
+        with torch.inference_mode():
+            for w in (1, 2, 5):
+                feats = torch.randn(w, 128, 3000, device="cuda")
+                out = runner.encode_audio(feats)
+                expect = fast.encode_audio(feats)
+                assert out.shape == expect.shape
+                err = ((out - expect).abs().max() / expect.abs().max()).item()
+                assert err < 1e-5, f"{w} windows: {err:.2e}"
     finally:
         torch.backends.cudnn.allow_tf32 = saved
-    assert sorted(fast._enc_graphs) == [1, 2]
+    assert sorted(runner._encoder_graphs) == [1, 2] and runner.stats["encoder_captures"] == 2
+    assert ModelRunner(ref.model, EngineOptions(max_batch=1).resolved("cuda")).encoder_buckets == ()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device)")
@@ -339,7 +254,7 @@ def test_pdl_decode_step_in_graph_equals_plain_launches(tiny_shipped):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90+")
     ref = glmasr.load(tiny_shipped, device="cuda", dtype="bfloat16", backend="torch")
-    fast = FastGlmAsrModel(ref.model, decode_gemm="skinny")
+    fast = FastGlmAsrModel(ref.model)
     c = fast.cfg.text
     g = torch.Generator(device="cuda").manual_seed(3)
     cache = KVCache(c, 3, 512, "cuda", torch.bfloat16)
@@ -366,18 +281,3 @@ def test_pdl_decode_step_in_graph_equals_plain_launches(tiny_shipped):
     finally:
         _triton_utils.set_pdl(None)
     assert torch.equal(static, plain)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device)")
-def test_encoder_attention_backend_cudnn_real_shape():
-    """The encoder's first-choice SDPA backend (cuDNN) at the real shape (20 heads x 1500 x 64, bf16, no mask)
-    runs (restricted to cuDNN alone, so a silent fall-through cannot pass) and agrees with fp32 math attention
-    within bf16 rounding (1e-2 of the largest output)."""
-    from glmasr.models.fast import _sdpa_backends
-
-    g = torch.Generator(device="cuda").manual_seed(9)
-    q, k, v = (torch.randn(2, 20, 1500, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
-    with _sdpa_backends(("cudnn",)):
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.125)
-    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.125)
-    assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2

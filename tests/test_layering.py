@@ -2,7 +2,13 @@
 
 - the kernels (``kernels/``, installed as ``glmasr_kernels``) never import the ``glmasr`` package: the package
   may import the kernels, not the other way round;
-- the models (``glmasr/models/``) never import the engine (``glmasr.engine``);
+- the models (``glmasr/models/``) never import the engine (``glmasr.engine``), nor the CUDA-graph helper
+  (``glmasr.cuda_graphs``): a model is graph-free, the engine's runner holds every graph;
+- the engine (``glmasr/engine/``) imports only itself, the models, the kernels and the helpers below it
+  (``ENGINE_MAY_IMPORT``): never ``glmasr.pipeline`` or anything above the engine (the handle, the API, the
+  server, ...);
+- the runner (``engine/model_runner.py``) and the encode stage (``engine/encode.py``) use a model only through
+  the declared interface (``models/interface.py``): no other attribute, no getattr / hasattr probing;
 
 and ``import glmasr.features`` works, and stays light, on a machine without CUDA, Triton or cuda-bindings.
 """
@@ -25,6 +31,9 @@ REPO = Path(__file__).resolve().parent.parent
 # to glmasr/models/kv_cache.py in b5c2031.
 KNOWN_KERNEL_EXCEPTIONS: set[str] = set()
 KNOWN_MODEL_EXCEPTIONS: set[tuple[str, str]] = set()
+# What glmasr/engine/ may import from the package besides itself and glmasr.models: the helpers below the engine.
+ENGINE_MAY_IMPORT = ("glmasr.engine", "glmasr.models", "glmasr.config", "glmasr.cuda_graphs", "glmasr.device",
+                     "glmasr.features", "glmasr.options", "glmasr.repetition")
 
 
 def _imports(path: Path, package: str) -> list[tuple[int, str]]:
@@ -94,17 +103,92 @@ def test_kernels_do_not_import_the_glmasr_package():
     assert not bad, "kernels must not import the glmasr package (it imports them):\n" + "\n".join(bad)
 
 
-def test_models_do_not_import_the_engine():
+def test_models_do_not_import_the_engine_or_the_graph_helper():
     root = REPO / "glmasr" / "models"
+    files = sorted(root.rglob("*.py"))
+    assert len(files) > 5, "no model sources found"
     bad = []
-    for path in sorted(root.glob("*.py")):
+    for path in files:
         rel = path.relative_to(REPO).as_posix()
         pkg = _package_of(path, REPO / "glmasr", "glmasr")
         for line, mod in _imports(path, pkg):
             known = any(rel == f and _is_under(mod, m) for f, m in KNOWN_MODEL_EXCEPTIONS)
-            if _is_under(mod, "glmasr.engine") and not known:
+            if (_is_under(mod, "glmasr.engine") or _is_under(mod, "glmasr.cuda_graphs")) and not known:
                 bad.append(f"{rel}:{line} imports {mod}")
-    assert not bad, "glmasr/models must not import glmasr.engine:\n" + "\n".join(bad)
+    assert not bad, "glmasr/models must not import glmasr.engine or glmasr.cuda_graphs:\n" + "\n".join(bad)
+
+
+def test_engine_imports_nothing_above_it():
+    root = REPO / "glmasr" / "engine"
+    files = sorted(root.rglob("*.py"))
+    assert any(p.name == "encode.py" for p in files), "no engine sources found"
+    bad = []
+    for path in files:
+        rel = path.relative_to(REPO).as_posix()
+        pkg = _package_of(path, REPO / "glmasr", "glmasr")
+        for line, mod in _imports(path, pkg):
+            if (_is_under(mod, "glmasr") and mod != "glmasr"
+                    and not any(_is_under(mod, allowed) for allowed in ENGINE_MAY_IMPORT)):
+                bad.append(f"{rel}:{line} imports {mod}")
+    assert not bad, ("glmasr/engine may import only itself, the models, the kernels and " + ", ".join(
+        ENGINE_MAY_IMPORT[2:]) + ":\n" + "\n".join(bad))
+
+
+def _model_attributes(path: Path) -> tuple[set[str], list[str]]:
+    """Attributes read off a model in ``path`` (``self.model.X``, ``model.X``) and the getattr / hasattr / setattr
+    calls that probe one (line: source)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    used, probes = set(), []
+
+    def is_model(node) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "model") or (
+            isinstance(node, ast.Attribute) and node.attr == "model" and isinstance(node.value, ast.Name)
+            and node.value.id == "self")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_model(node.value):
+            used.add(node.attr)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr", "setattr") and node.args and is_model(node.args[0])):
+            probes.append(f"{node.lineno}: {ast.unparse(node)}")
+    return used, probes
+
+
+def test_the_runner_uses_only_the_model_interface():
+    from glmasr.models.interface import AsrModel
+
+    members = set(AsrModel.__annotations__) | {n for n in vars(AsrModel) if not n.startswith("_")}
+    assert {"encode_audio", "embed_tokens", "prefill", "decode", "logits", "device", "dtype", "cfg",
+            "triton_encoder", "triton_decoder", "batch_invariant"} <= members
+    for rel in ("glmasr/engine/model_runner.py", "glmasr/engine/encode.py"):
+        used, probes = _model_attributes(REPO / rel)
+        assert used, f"{rel}: no model attribute found (the scanner is broken)"
+        assert used <= members, f"{rel} uses model attributes outside models/interface.py: {sorted(used - members)}"
+        assert not probes, f"{rel} probes the model instead of using the interface: {probes}"
+
+
+def test_the_interface_scanner_sees_probes_and_private_calls(tmp_path):
+    f = tmp_path / "runner.py"
+    f.write_text("class R:\n    def f(self, model):\n        self.model._encode_eager(1)\n"
+                 "        getattr(self.model, 'uses_triton', False)\n        return model.decode\n")
+    used, probes = _model_attributes(f)
+    assert used == {"_encode_eager", "decode"} and len(probes) == 1
+
+
+def test_both_models_satisfy_the_interface(tiny_shipped):
+    import os
+
+    import glmasr
+    from glmasr.models.interface import AsrModel
+
+    asr = glmasr.load(tiny_shipped, device="cpu")
+    assert isinstance(asr.model, AsrModel)
+    assert (asr.model.triton_encoder, asr.model.triton_decoder) == (False, False)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from glmasr.models.fast import FastGlmAsrModel
+
+        fast = FastGlmAsrModel(glmasr.load(tiny_shipped, device="cpu").model)
+        assert isinstance(fast, AsrModel) and (fast.triton_encoder, fast.triton_decoder) == (True, True)
 
 
 def test_features_import_without_cuda_and_stays_light():

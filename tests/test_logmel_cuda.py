@@ -8,7 +8,6 @@ transformers.WhisperFeatureExtractor, int16 input, bf16 output, poisoned outputs
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -70,23 +69,10 @@ def _mel_cfg(case: dict, in_i16=False, out_bf16=False, sm=900, out_f16=False) ->
                         False, in_i16, out_bf16, sm, ept, out_f16=out_f16)
 
 
-def _whisper_cfg(in_i16=False, out_bf16=False, n_mels=128, sm=900, out_f16=False, skel=None) -> KernelConfig:
+def _whisper_cfg(in_i16=False, out_bf16=False, n_mels=128, sm=900, out_f16=False) -> KernelConfig:
     ept, pairs, iters = C.LAUNCH[400]
     return KernelConfig(400, pairs, iters, C.split_lanes(400, n_mels), 0, True, in_i16, out_bf16, sm, ept,
-                        C.WHISPER_DIRECT, C.WHISPER_MINB, out_f16=out_f16,
-                        skel=C.WHISPER_SKEL if skel is None else skel)
-
-
-# LM_SKEL skeleton variants of the Whisper kernel (bit-identical output; kernels/logmel/_config.py WHISPER_SKEL)
-SKEL_BITS = (1, 2, 4, 7)
-
-
-def skel_test_configs(sm: int = 900) -> list[KernelConfig]:
-    """Each variant on the production Whisper config (fp32 out), plus all bits with int16 input / fp16 output."""
-    cfgs = {_whisper_cfg(sm=sm, skel=k) for k in SKEL_BITS}
-    cfgs.add(_whisper_cfg(in_i16=True, sm=sm, skel=7))
-    cfgs.add(_whisper_cfg(out_f16=True, sm=sm, skel=7))
-    return sorted(cfgs, key=repr)
+                        C.WHISPER_DIRECT, C.WHISPER_MINB, out_f16=out_f16)
 
 
 def all_test_configs(sm: int = 900) -> list[KernelConfig]:
@@ -97,7 +83,6 @@ def all_test_configs(sm: int = 900) -> list[KernelConfig]:
     for i16, bf16, f16 in ((False, False, False), (False, True, False), (True, False, False), (False, False, True)):
         cfgs.add(_whisper_cfg(i16, bf16, sm=sm, out_f16=f16))
     cfgs.add(_whisper_cfg(n_mels=80, sm=sm, out_f16=True))
-    cfgs.update(skel_test_configs(sm))
     return sorted(cfgs, key=repr)
 
 
@@ -164,13 +149,11 @@ def test_whisper_features_dtype_error():
         whisper_features(torch.zeros(1, 1000), out_dtype=torch.float64)
 
 
-def test_stage_bytes_layout():
-    """LM_STAGE span: (2 * pairs - 1) * hop + n_fft samples, rounded up to 16 bytes (mirrors lm::stage_bytes)."""
-    assert C.stage_bytes(False, 8, 160, 400, 4) == 0
-    assert C.stage_bytes(True, 8, 160, 400, 4) == 11200
-    assert C.stage_bytes(True, 8, 160, 400, 2) == 5600
-    assert C.stage_bytes(True, 1, 3, 5, 2) == 16
-    assert C.smem_bytes(100, 0, 128, 394, 11200) == C.smem_bytes(100, 0, 128, 394) + 11200
+def test_smem_bytes_layout():
+    """Dynamic shared memory of logmel_main: workspace + output tile (n_mels x tfs fp32) + 3 int descriptors
+    per mel + the packed weights (mirrors the layout in logmel.cu)."""
+    assert C.smem_bytes(100, 0, 128, 394) == 100 + 12 * 128 + 4 * 394
+    assert C.smem_bytes(100, 48, 128, 394) == C.smem_bytes(100, 0, 128, 394) + 4 * 128 * 48
 
 
 @pytest.mark.parametrize("mode", sorted(C.PAD_MODES))
@@ -210,11 +193,10 @@ def test_cache_key_and_dir(tmp_path, monkeypatch):
     assert cache_key(a) != cache_key(_whisper_cfg(sm=1000))
     from dataclasses import replace
 
-    # the measurement / tiling switches are compile options, so they are part of the key
-    keys = {cache_key(replace(a, **kw)) for kw in ({}, dict(variant=1), dict(variant=4), dict(direct=not a.direct),
-                                                    dict(minb=6), dict(skel=a.skel ^ 1), dict(skel=a.skel ^ 2))}
-    assert len(keys) == 7
-    assert {"LM_DIRECT", "LM_MINB", "LM_VARIANT", "LM_SKEL", "LM_OUT_F16"} <= set(a.macros())
+    # the tiling switches are compile options, so they are part of the key
+    keys = {cache_key(replace(a, **kw)) for kw in ({}, dict(direct=not a.direct), dict(minb=6), dict(out_f16=True))}
+    assert len(keys) == 4
+    assert {"LM_DIRECT", "LM_MINB", "LM_OUT_F16"} <= set(a.macros())
     monkeypatch.setenv("GLMASR_CACHE_DIR", str(tmp_path))
     assert _build.cache_dir() == tmp_path / "cubins"  # beside glmasr's own files under the same root
     monkeypatch.delenv("GLMASR_CACHE_DIR")
@@ -503,33 +485,6 @@ def test_mel_fp16_vs_torchaudio(scale):
     _assert_close_fp16(got, ref32)
     got32 = MelSpectrogram(n_fft=512, hop_length=128)(x)
     assert torch.equal(got, got32.to(torch.float16))  # one rounding of the kernel's own fp32 result
-
-
-@needs_cuda
-@pytest.mark.parametrize("skel", SKEL_BITS)
-def test_whisper_skeleton_variants_bitexact(skel):
-    """LM_SKEL variants (shared-memory staging, per-bin power spectrum, packed descriptors) give bit-identical
-    output: aligned and misaligned rows (odd T), dirty tails past `lengths`, int16 input, fp16 output."""
-    from dataclasses import replace
-
-    from glmasr_kernels.logmel import _runtime as R
-
-    sm = R._device_sm(torch.cuda.current_device())
-    g = torch.Generator(device="cuda").manual_seed(skel)
-    for T in (480000, 479999):
-        pcm = torch.randn(6, T, device="cuda", generator=g) * 0.1
-        lens = torch.tensor([T, T - 1, 300001, 160, 250000, 12345], device="cuda")
-        for i, n in enumerate(lens.tolist()):
-            pcm[i, n:] = 1.5
-        pcm16 = (pcm.clamp(-1, 1) * 32767).round().to(torch.int16)
-        # int16 input / fp16 output for all bits at once only (their configs are prewarmed: skel_test_configs)
-        inputs = ((pcm, {}), (pcm, dict(out_f16=True)), (pcm16, dict(in_i16=True))) if skel == 7 else ((pcm, {}),)
-        for x, kw in inputs:
-            base = _whisper_cfg(sm=sm, skel=0, **kw)
-            f0, m0 = R.whisper_impl(x, lens, 128, None, cfg=base)
-            f1, m1 = R.whisper_impl(x, lens, 128, None, cfg=replace(base, skel=skel))
-            torch.cuda.synchronize()
-            assert torch.equal(f0, f1) and torch.equal(m0, m1), (T, kw, (f0.float() - f1.float()).abs().max().item())
 
 
 @needs_cuda

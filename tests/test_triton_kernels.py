@@ -36,8 +36,7 @@ triton = pytest.importorskip("triton")
 
 from glmasr_kernels.activations import gelu_bias, gelu_bias_ref, swiglu, swiglu_ref  # noqa: E402
 from glmasr_kernels.greedy_commit import greedy_commit, greedy_commit_ref  # noqa: E402
-from glmasr_kernels.decode_attention import (choose_num_splits, decode_attention, decode_attention_ref,  # noqa: E402
-                                             decode_attention_rope_append, decode_attention_rope_append_ref)
+from glmasr_kernels.decode_attention import choose_num_splits, decode_attention, decode_attention_ref  # noqa: E402
 from glmasr_kernels.kv_append import kv_append, kv_append_ref  # noqa: E402
 from glmasr_kernels.layernorm import layer_norm, layer_norm_ref  # noqa: E402
 from glmasr_kernels.rmsnorm import rms_norm, rms_norm_ref  # noqa: E402
@@ -313,56 +312,6 @@ def test_decode_attention_small_head_dim(D):
         out = torch.full((B, HQ, D), float("nan"), device=DEV)
         decode_attention(q, kc, vc, lens, L, num_splits=ns, out=out)
         close(out, decode_attention_ref(q, kc, vc, lens, L), torch.float32)
-
-
-def _rope_attn_inputs(B, HQ, HK, D, R, LBUF, dtype, seed):
-    qkv = randn(B, HQ + 2 * HK, D, dtype=dtype, seed=seed)  # the QKV projection's row, viewed per head
-    kc = randn(B + 1, HK, LBUF, D, dtype=dtype, seed=seed + 1)
-    vc = randn(B + 1, HK, LBUF, D, dtype=dtype, seed=seed + 2)
-    cos, sin = build_rope_cache(R, LBUF + 8, device=DEV)
-    return qkv[:, :HQ], qkv[:, HQ:HQ + HK], qkv[:, HQ + HK:], kc, vc, cos, sin
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", [(3, 4, 2, 32, 32, 40, None), (2, 8, 2, 16, 8, 70, 3), (1, 4, 1, 64, 64, 33, 1),
-                                  (1, 16, 4, 128, 128, 300, None)],
-                         ids=["rows-pad-full", "partial-rotary-split", "single", "decoder-heads"])
-def test_decode_attention_rope_append(dtype, case):
-    """RoPE + KV append fused into decode attention: equals the two-launch chain (rope_and_append, then
-    decode_attention) in the caches bit for bit (same RoPE roundings) and in the output up to the attention's
-    fp contraction (the fused variant compiles without it; under the interpreter bit for bit), and the
-    reference within TOL. A length-0 row (padding, position -1) stores nothing; q and k_new are not modified."""
-    B, HQ, HK, D, R, L, splits = case
-    q, kn, vn, kc, vc, cos, sin = _rope_attn_inputs(B, HQ, HK, D, R, L, dtype, seed=71 + D + (splits or 0))
-    lens = {3: [5, 0, L], 2: [5, 17], 1: [L - 2]}[B]
-    lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    rows = torch.tensor([2, 0, 1], device=DEV) if B == 3 else None
-    q0, kn0 = q.clone(), kn.clone()
-    kc_ref, vc_ref, kc_chain, vc_chain = kc.clone(), vc.clone(), kc.clone(), vc.clone()
-    out = torch.full((B, HQ, D), float("nan"), device=DEV, dtype=dtype)
-    decode_attention_rope_append(q, kn, vn, cos, sin, kc, vc, lens, L, cache_rows=rows, num_splits=splits, out=out)
-    assert torch.equal(q, q0) and torch.equal(kn, kn0)
-    ref = decode_attention_rope_append_ref(q, kn, vn, cos, sin, kc_ref, vc_ref, lens, L, cache_rows=rows)
-    close(out, ref, dtype)
-    q2, k2 = q.clone()[:, None], kn.clone()[:, None]
-    rope_and_append(q2, k2, vn[:, None], (lens.long() - 1)[:, None], cos, sin, kc_chain, vc_chain, cache_rows=rows)
-    chain = decode_attention(q2[:, 0], kc_chain, vc_chain, lens, L, cache_rows=rows, num_splits=splits)
-    assert torch.equal(kc, kc_chain) and torch.equal(vc, vc_chain)
-    if CUDA:
-        close(out, chain, dtype)
-    else:
-        assert torch.equal(out, chain)
-    if B == 3:
-        assert torch.equal(out[1], torch.zeros_like(out[1]))
-
-
-def test_decode_attention_rope_append_bad_inputs():
-    q, kn, vn, kc, vc, cos, sin = _rope_attn_inputs(2, 4, 2, 16, 16, 20, torch.float32, seed=90)
-    lens = torch.tensor([3, 4], dtype=torch.int32, device=DEV)
-    with pytest.raises(ValueError, match="k_new must be"):
-        decode_attention_rope_append(q, kn[:, :1], vn, cos, sin, kc, vc, lens, 20)
-    with pytest.raises(ValueError, match="cos_cache/sin_cache"):
-        decode_attention_rope_append(q, kn, vn, torch.cat([cos, cos], 1), torch.cat([sin, sin], 1), kc, vc, lens, 20)
 
 
 def test_choose_num_splits():

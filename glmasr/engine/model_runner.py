@@ -1,5 +1,8 @@
 """Device side of the engine: the KV cache, the per-slot state tensors, encoder calls, prefill and the decode
-steps (CUDA graphs per batch and KV-length bucket), the sync-free read-back, warm-up.
+steps, every CUDA graph of the model's calls, the sync-free read-back, warm-up.
+
+The model is anything that satisfies ``models.interface.AsrModel`` (the plain ``GlmAsrModel`` or the GPU
+``FastGlmAsrModel``); the runner calls only that interface.
 
 - **Slot state** on the device: the last token, its position, an active flag, the remaining budget, ignore_eos,
   why it finished, and small output buffers of ``sync_every`` columns: the tokens and their log-probabilities.
@@ -8,14 +11,19 @@ steps (CUDA graphs per batch and KV-length bucket), the sync-free read-back, war
   (batch bucket, KV-length bucket) and replayed; nothing in it syncs the host.
 - **Prefill** of newly admitted sequences from slot 0 of each cache row: one packed pass over all of them
   (``model.prefill``: the prompts' tokens concatenated, no padding), or for a single sequence a CUDA graph per
-  prompt-length bucket; the argmax and log-probability go through the same bookkeeping. (The older right-padded
-  passes per length group stay behind ``EngineOptions.prefill = "padded"`` for comparison.)
+  prompt-length bucket (``model.decode`` over the prompt right-padded to the bucket); the argmax and
+  log-probability go through the same bookkeeping.
+- **Encoder**: window counts in ``ENCODER_BUCKETS`` (launch-bound: ~400 launches per eager pass) replay a CUDA
+  graph of ``model.encode_audio`` when the model's encoder runs on the Triton kernels; other counts run eagerly.
 - **Read-back**: after a round, the token buffer, the status, the stop token and the log-probabilities (float64,
   bit-cast to int64 so they travel in the same tensor) go to pinned host memory in one non-blocking copy with
   an event; ``finish_readback`` waits for that event only, so encoder work enqueued after the round keeps the
   GPU busy while the host handles the round.
-- **KV capacity** grows by powers of two when a longer sequence is admitted (the cache is copied, the graphs are
-  recaptured), so a short-audio workload does not hold 8192 positions per slot.
+- **KV capacity** grows by powers of two when a longer sequence is admitted (the cache is copied, the prefill and
+  decode graphs are recaptured), so a short-audio workload does not hold 8192 positions per slot.
+
+Graphs are on wherever CUDA is (the ``graphs`` / ``prefill_graphs`` constructor arguments turn them off for tests
+that compare a graph with eager launches; they are not engine options).
 """
 
 from __future__ import annotations
@@ -30,21 +38,26 @@ from glmasr_kernels.greedy_commit import RUNNING, commit_tokens, greedy_pick
 
 from .. import cuda_graphs
 from ..device import host_to_device
+from ..models.interface import AsrModel
 from ..models.kv_cache import KVCache
-from ..pipeline import encode_groups
+from .encode import encode_groups
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Encoder window counts replayed from CUDA graphs: the launch-bound ones. From 3 windows on a pass is GPU-bound
+# (~5 ms of GPU work per window against ~400 launches), so it runs eagerly: a graph would only add its capture
+# (one more pass) and its own activation memory to the first call of each new count.
+ENCODER_BUCKETS = (1, 2)
 MIN_KV_BUCKET = 256
 # Decode steps whose eager host time pays for capturing their bucket's graph (``ModelRunner.decode``).
 CAPTURE_STEPS = 4
 MIN_CAPACITY = {"cuda": 1024, "cpu": 256}
 
 
-def check_batch_invariance(model, options) -> None:
+def check_batch_invariance(model: AsrModel, options) -> None:
     """ValueError when ``options.batch_invariant`` asks for what this model cannot give: on CUDA the mode needs
     the Triton decoder path (the plain path's cuBLAS GEMMs pick their algorithms by the number of rows)."""
-    if options.batch_invariant and model.device.type == "cuda" and not getattr(model, "uses_triton", False):
+    if options.batch_invariant and model.device.type == "cuda" and not model.triton_decoder:
         raise ValueError("batch_invariant=True needs the Triton decoder path on CUDA (backend='triton'): this "
                          "model's decoder runs on the plain PyTorch path, whose cuBLAS GEMMs pick their "
                          "algorithms by the number of rows")
@@ -71,26 +84,14 @@ def kv_bucket(n: int, capacity: int) -> int:
     return min(b, capacity)
 
 
-def length_groups(lengths: list[int], slack: float = 1.25) -> list[list[int]]:
-    """Indices of ``lengths`` in groups whose right-padded size (count x longest) is at most ``slack`` x their
-    real tokens, longest first: prompts of mixed lengths padded to one longest would spend up to half of the
-    prefill on padding."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups, real = [], 0
-    for i in order:
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= slack * (real + lengths[i]):
-            groups[-1].append(i)
-            real += lengths[i]
-        else:
-            groups.append([i])
-            real = lengths[i]
-    return groups
-
-
 class ModelRunner:
-    """Runs a loaded model (``GlmAsrModel`` or ``FastGlmAsrModel``) for the engine; see the module docstring."""
+    """Runs a loaded model (``models.interface.AsrModel``) for the engine; see the module docstring.
 
-    def __init__(self, model, options, frontend="torch", capacity: int | None = None):
+    ``graphs`` (every CUDA graph) and ``prefill_graphs`` (the one-prompt prefill graphs) off: the same work as
+    eager launches, for tests that compare the two."""
+
+    def __init__(self, model: AsrModel, options, frontend="torch", capacity: int | None = None, *,
+                 graphs: bool = True, prefill_graphs: bool = True):
         cfg = model.cfg.text
         self.model = model
         self.cfg = model.cfg
@@ -100,7 +101,7 @@ class ModelRunner:
         self.max_batch = n = options.max_batch
         self.sync_every = options.sync_every
         self.buckets = tuple(b for b in BATCH_BUCKETS if b < n) + (n,)
-        self.use_graphs = options.cuda_graphs and self.device.type == "cuda"
+        self.use_graphs = graphs and self.device.type == "cuda"
         # Batch invariance (EngineOptions.batch_invariant): one window per encoder call, one prompt per prefill
         # pass on a path its own length chooses (``_prefill_alone``), and the model's row-count-independent
         # decode kernels, switched by the model's flag. This runner sets the flag before each of its prefills,
@@ -109,7 +110,13 @@ class ModelRunner:
         self.batch_invariant = options.batch_invariant
         check_batch_invariance(model, options)
         self._use_mode()
-        self.prefill_graphs = options.prefill_graphs and self.use_graphs
+        self.prefill_graphs = prefill_graphs and self.use_graphs
+        # Encoder graphs (ENCODER_BUCKETS) where the encoder runs on the Triton kernels: an eager pass of one or
+        # two windows is launch-bound (H200: 23.6 ms per window eager against 5.3 ms from the graph). They live
+        # in a pool of their own and survive the KV capacity growth.
+        self.encoder_buckets = ENCODER_BUCKETS if self.use_graphs and model.triton_encoder else ()
+        self._encoder_graphs: dict[int, tuple] = {}
+        self._encoder_pool = cuda_graphs.GraphPool()
         self.max_positions = cfg.max_position_embeddings
         start = capacity or MIN_CAPACITY["cuda" if self.device.type == "cuda" else "cpu"]
         self.capacity = min(start, self.max_positions)
@@ -130,24 +137,18 @@ class ModelRunner:
         self.eos_ids = torch.tensor(sorted(set(cfg.eos_token_ids)), dtype=torch.long, device=dev)
         cuda = dev.type == "cuda"
         # flat, so the (n, 2 * steps + 2) view of a round is contiguous (a strided pinned target would be staged)
-        # + 1: the persistent decode step's error flag rides along with the first round read back
-        self._host = torch.empty(n * (2 * self.sync_every + 2) + 1, dtype=torch.long, pin_memory=cuda)
+        self._host = torch.empty(n * (2 * self.sync_every + 2), dtype=torch.long, pin_memory=cuda)
         self._readback_event = torch.cuda.Event() if cuda else None
         self._readback_steps = 0
-        self._readback_flag = False
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._seen_buckets: set[tuple[int, int]] = set()  # decode buckets that ran once without a graph
         self._prefill_graphs: dict[int, tuple] = {}
         # What the device side did, for breakdowns (benchmarks, /metrics): graph captures and their host ms,
         # decode rounds run eagerly (a bucket's first round), prefills by kind. Counts only; nothing syncs for it.
         self.stats: collections.Counter = collections.Counter()
-        self.pool = cuda_graphs.GraphPool()
-        # Prefills of several prompts (or one without a graph): packed into one pass by the model (``prefill``: no
-        # padding; flash varlen attention on the GPU), or (options.prefill "padded") right-padded per length group
-        # (``length_groups``), kept as the measured alternative (benchmark.sh's throughput section).
-        self.packed_prefill = options.prefill == "packed"
+        self.pool = cuda_graphs.GraphPool()  # the prefill and decode graphs (they depend on the KV buffer)
         # The Triton decoder path fuses the step's argmax and bookkeeping into one kernel (~30 launches less).
-        self.fused_commit = bool(getattr(model, "uses_triton", False))
+        self.fused_commit = model.triton_decoder
 
     @property
     def frontend(self) -> str:
@@ -156,8 +157,7 @@ class ModelRunner:
         return self._frontend
 
     def _use_mode(self) -> None:
-        if hasattr(self.model, "batch_invariant"):  # the plain model has no such switch
-            self.model.batch_invariant = self.batch_invariant
+        self.model.batch_invariant = self.batch_invariant
 
     # ---- encoder ----
     @torch.inference_mode()
@@ -170,8 +170,8 @@ class ModelRunner:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         chunk = 1 if self.batch_invariant else self.options.encoder_chunk
-        embeds, packing_s = encode_groups(self.model, self.frontend, plans, chunk,
-                                          self.cfg.audio_token_id, self.cfg.audio.num_mel_bins)
+        embeds, packing_s = encode_groups(self.model, self.frontend, plans, chunk, self.cfg.audio_token_id,
+                                          self.cfg.audio.num_mel_bins, self.encode_audio)
         timing = {"features_s": packing_s}
         if events is not None:
             events[1].record()
@@ -179,6 +179,26 @@ class ModelRunner:
         else:
             timing["encoder_s"] = time.perf_counter() - t0
         return embeds, timing
+
+    def encode_audio(self, features: torch.Tensor) -> torch.Tensor:
+        """``model.encode_audio``, from the window count's CUDA graph where it has one (``encoder_buckets``;
+        captured on first use)."""
+        w = features.shape[0]
+        if w not in self.encoder_buckets:
+            return self.model.encode_audio(features)
+        entry = self._encoder_graphs.get(w)
+        if entry is None:
+            t0 = time.perf_counter()
+            static_in = torch.zeros_like(features)
+            graph, static_out = cuda_graphs.capture(lambda: self.model.encode_audio(static_in), self.device,
+                                                    self._encoder_pool.handle)
+            entry = self._encoder_graphs[w] = (graph, static_in, static_out)
+            self.stats["encoder_captures"] += 1
+            self.stats["encoder_capture_ms"] += 1e3 * (time.perf_counter() - t0)
+        graph, static_in, static_out = entry
+        static_in.copy_(features)
+        graph.replay()
+        return static_out.clone()
 
     # ---- KV capacity ----
     def ensure_capacity(self, need: int) -> None:
@@ -200,6 +220,7 @@ class ModelRunner:
         self.drop_graphs()
 
     def drop_graphs(self) -> None:
+        """Drop the prefill and decode graphs (they read the KV buffer); the encoder graphs stay."""
         self.graphs.clear()
         self._prefill_graphs.clear()
         self.pool.reset()
@@ -240,18 +261,9 @@ class ModelRunner:
             first, first_logprob = _joined([self._prefill_alone(e, n, s) for e, n, s in zip(embeds, lengths, slots)])
         elif self.prefill_graphs and len(embeds) == 1 and longest <= bkt <= self.capacity:
             first, first_logprob = self._graphed_prefill(bkt, embeds[0], lengths[0], slots[0])
-        elif self.packed_prefill:
+        else:
             self.stats["prefills_packed"] += 1
             first, first_logprob = greedy_pick(self.model.logits(self.model.prefill(embeds, self.cache, slots)))
-        else:
-            groups = length_groups(lengths)
-            self.stats["prefills_padded"] += len(groups)
-            first, first_logprob = _joined([
-                self._padded_prefill([slots[i] for i in g], [embeds[i] for i in g], [lengths[i] for i in g])
-                for g in groups])
-            order = [i for g in groups for i in g]  # the order of ``first``: the slots' state follows it
-            slots, lengths = [slots[i] for i in order], [lengths[i] for i in order]
-            budgets, ignore_eos = [budgets[i] for i in order], [ignore_eos[i] for i in order]
         rows = host_to_device(slots, dev)
         lengths_t = host_to_device(lengths, dev)
         # Scatter into a full-width step result and commit only the admitted slots.
@@ -282,19 +294,6 @@ class ModelRunner:
             return self._graphed_prefill(bkt, embeds, length, slot)
         self.stats["prefills_packed"] += 1
         return greedy_pick(self.model.logits(self.model.prefill([embeds], self.cache, [slot])))
-
-    def _padded_prefill(self, slots: list[int], embeds: list[torch.Tensor], lengths: list[int]
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One eager forward of prompts right-padded to the longest; their first tokens and log-probabilities."""
-        dev = self.device
-        longest = max(lengths)
-        batch = torch.zeros(len(embeds), longest, embeds[0].shape[1], device=dev, dtype=self.model.dtype)
-        for i, e in enumerate(embeds):
-            batch[i, : lengths[i]] = e
-        positions = torch.arange(longest, device=dev).expand(len(embeds), longest)
-        hidden = self.model.decode(batch, positions, self.cache, kv_len=longest, rows=host_to_device(slots, dev))
-        last = host_to_device([n - 1 for n in lengths], dev)
-        return greedy_pick(self.model.logits(hidden[torch.arange(len(embeds), device=dev), last]))
 
     def _graphed_prefill(self, bkt: int, embeds: torch.Tensor, length: int, slot: int
                          ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,10 +405,6 @@ class ModelRunner:
         host memory, one tensor in one copy (enqueued)."""
         state = torch.cat([self.out[:, :steps], self.status[:, None], self.stop_token[:, None],
                            self.out_logprob[:, :steps].view(torch.long)], 1)  # bit-cast, no conversion
-        flag = getattr(self.model, "decode_error_flag", None)
-        self._readback_flag = flag is not None  # read by finish_readback: what this copy carries, not what is now
-        if self._readback_flag:
-            state = torch.cat([state.view(-1), flag.long()])
         self._host[: state.numel()].view(state.shape).copy_(state, non_blocking=self._readback_event is not None)
         if self._readback_event is not None:
             self._readback_event.record()
@@ -422,20 +417,16 @@ class ModelRunner:
             self._readback_event.synchronize()
         steps = self._readback_steps
         n = self.max_batch * (2 * steps + 2)
-        if self._readback_flag and self._host[n]:
-            self.model.reset_decode_error()
-            raise RuntimeError("the persistent decode step's programs were not all resident on the GPU at once (a "
-                               "grid barrier timed out), so this round's tokens are wrong; run with "
-                               "GLMASR_DECODE_STEP=chain if the GPU is shared with other persistent kernels")
         host = self._host[:n].view(self.max_batch, 2 * steps + 2)
         return steps, host[:, : steps + 2].tolist(), host[:, steps + 2:].view(torch.float64).tolist()
 
     # ---- warm-up ----
     @torch.inference_mode()
-    def compile_kernels(self, batch_sizes=None, kv_lens=None, prefill_lengths=None, encoder_windows=()) -> bool:
+    def compile_kernels(self, batch_sizes=None, kv_lens=None, prefill_lengths=None, encoder_windows=None) -> bool:
         """Compile the Triton kernels of the paths ``warmup`` takes, all at once on a thread pool (a dry pass:
         ``compile_ahead`` turns this thread's launches into compiles); False where there is nothing to do (the
-        CPU, the interpreter). The slot state the dry decode steps touch is restored."""
+        CPU, the interpreter). The slot state the dry decode steps touch is restored. ``encoder_windows``
+        default: ``encoder_buckets``."""
         from glmasr_kernels._triton_utils import compile_ahead
 
         if not self.use_graphs:
@@ -443,10 +434,11 @@ class ModelRunner:
         self._use_mode()
         with self._slot_state_kept(), compile_ahead() as active:
             if active:
-                # the Triton encoder, eagerly (a graph captured here would lack the Triton kernels); an encoder
-                # on the plain path (a kernel fallback) has nothing to compile
-                for w in encoder_windows if getattr(self.model, "enc_layers", None) else ():
-                    self.model._encode_eager(torch.zeros(w, self.cfg.audio.num_mel_bins, 3000, device=self.device))
+                # the model's eager pass (a graph captured here would lack the Triton kernels); an encoder on the
+                # plain path (a kernel fallback) has nothing to compile
+                windows = self.encoder_buckets if encoder_windows is None else encoder_windows
+                for w in windows if self.model.triton_encoder else ():
+                    self.model.encode_audio(torch.zeros(w, self.cfg.audio.num_mel_bins, 3000, device=self.device))
                 for bkt in sorted({bucket(n, PREFILL_BUCKETS) for n in (prefill_lengths or ())}):
                     if bkt <= self.capacity:
                         self._prefill_forward(self._prefill_buffers(bkt), bkt)
@@ -456,11 +448,11 @@ class ModelRunner:
         return active
 
     @torch.inference_mode()
-    def warmup(self, batch_sizes=None, kv_lens=None, prefill_lengths=None, encoder_windows=(),
+    def warmup(self, batch_sizes=None, kv_lens=None, prefill_lengths=None, encoder_windows=None,
                compile_ahead: bool = True) -> dict:
-        """Capture the encoder graphs for ``encoder_windows`` buckets, the decode graphs for ``batch_sizes`` x
-        ``kv_lens`` buckets and the prefill graphs for ``prefill_lengths`` buckets now, so no request pays for
-        it; ms per stage. ``compile_ahead``: their kernels compiled first, all at once (``compile_kernels``): it
+        """Capture the encoder graphs for ``encoder_windows`` (default: ``encoder_buckets``; another count runs
+        its eager pass once), the decode graphs for ``batch_sizes`` x ``kv_lens`` buckets and the prefill graphs
+        for ``prefill_lengths`` buckets now, so no request pays for it; ms per stage. ``compile_ahead``: their kernels compiled first, all at once (``compile_kernels``): it
         pays where many buckets meet cold caches (a full warm-up), not for the few kernels of one clip's path,
         where the dry pass costs more than it saves (notes/measurements.md). Needs an idle engine (it writes
         slot 0's cache row)."""
@@ -474,8 +466,9 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             timings["kernel_compiles_ms"] = 1e3 * (time.perf_counter() - t0)
         t0 = time.perf_counter()
-        for w in encoder_windows:  # features need not be real: only the kernels and graphs are wanted here
-            self.model.encode_audio(torch.zeros(w, self.cfg.audio.num_mel_bins, 3000, device=self.device))
+        # features need not be real: only the kernels and graphs are wanted here
+        for w in self.encoder_buckets if encoder_windows is None else encoder_windows:
+            self.encode_audio(torch.zeros(w, self.cfg.audio.num_mel_bins, 3000, device=self.device))
         torch.cuda.synchronize(self.device)
         timings["encoder_graphs_ms"] = 1e3 * (time.perf_counter() - t0)
         t0 = time.perf_counter()

@@ -12,13 +12,22 @@ from torch import nn
 
 from ..config import GlmAsrConfig
 from ..device import host_to_device
-from .kv_cache import KVCache
 from .decoder import TextDecoder
 from .encoder import AudioEncoder
+from .kv_cache import KVCache
 from .projector import AudioProjector
 
 
 class GlmAsrModel(nn.Module):
+    """The reference model, one implementation of the engine's model interface (models/interface.py): no
+    Triton kernels (so no fused greedy commit), and no switch behind ``batch_invariant``: the runner sets it,
+    nothing reads it (on CUDA the engine refuses the mode for this model, whose cuBLAS GEMMs pick their
+    algorithms by the number of rows)."""
+
+    triton_encoder = False
+    triton_decoder = False
+    batch_invariant = False
+
     def __init__(self, cfg: GlmAsrConfig):
         super().__init__()
         self.cfg = cfg

@@ -75,3 +75,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         return x * cos + _rotate_half(x) * sin
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+# torch SDPA backends in the order the GPU path tries them (cuDNN's Hopper kernel first; fp32 and the CPU fall
+# through to the efficient / math ones).
+SDPA_ORDER = ("cudnn", "flash", "efficient", "math")
+_SDPA = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+         "math": "MATH"}
+
+
+def sdpa_backends(names: tuple[str, ...] = SDPA_ORDER):
+    """Context: torch SDPA restricted to ``names``, tried in that order."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, _SDPA[n]) for n in names], set_priority=True)

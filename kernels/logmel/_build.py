@@ -35,9 +35,7 @@ class KernelConfig:
     ept: int = 0  # 0: cuFFTDx default
     direct: bool = False  # mel results stored straight from registers (no shared output tile)
     minb: int = 0  # __launch_bounds__ min blocks per SM (0: none)
-    variant: int = 0  # measurement switches (bits: 1 no FFT, 2 one-tap mel, 4 no output stores)
     out_f16: bool = False  # float16 output (exclusive with out_bf16)
-    skel: int = 0  # skeleton variants, bit-identical output (bits: 1 LM_STAGE, 2 LM_PSPEC, 4 LM_TASKS)
 
     def __post_init__(self):
         if self.out_bf16 and self.out_f16:
@@ -61,9 +59,7 @@ class KernelConfig:
             "LM_EPT": str(self.ept),
             "LM_DIRECT": str(int(self.direct)),
             "LM_MINB": str(self.minb),
-            "LM_VARIANT": str(self.variant),
             "LM_OUT_F16": str(int(self.out_f16)),
-            "LM_SKEL": str(self.skel),
         }
 
 

@@ -16,16 +16,10 @@ PAD_MODES = {"reflect": 0, "constant": 1, "replicate": 2, "circular": 3}
 
 # Whisper features only (n_fft 400, log-mel + finalize): mel results stored from registers instead of a
 # shared output tile (LM_DIRECT), and __launch_bounds__ min blocks per SM (LM_MINB, 0: none).
-# Measured by scripts/logmel_breakdown.py (H200, graph replay, 128x30s): tile + no bound 0.424 ms,
-# direct 0.387 ms, direct + minb 5 (72 regs, 5 blocks/SM, 20 B spill) 0.369 ms; see notes/logmel.md.
+# Measured on the H200 (graph replay, 128x30s): tile + no bound 0.424 ms, direct 0.387 ms, direct + minb 5
+# (72 regs, 5 blocks/SM, 20 B spill) 0.369 ms; see notes/logmel.md.
 WHISPER_DIRECT = True
 WHISPER_MINB = 5
-# Whisper skeleton variants (LM_SKEL bits in logmel.cu, bit-identical output; 0 = off): 1 stage each iteration's
-# input span into shared memory with cp.async one iteration ahead, 2 power spectrum formed once per bin,
-# 4 packed filter descriptors. Compile-checked on CPU, NOT yet timed on the device:
-# scripts/bench/logmel_breakdown.py times them against the default; set the winning bits here (e.g. 5).
-WHISPER_SKEL = 0
-
 
 
 def out_dtype_flags(dtype, name: str = "dtype") -> tuple[bool, bool]:
@@ -190,18 +184,10 @@ def pack_filters(fb: np.ndarray, scale: float = 1.0):
     return start, width, off, w
 
 
-def stage_bytes(stage: bool, pairs: int, hop: int, n_fft: int, in_size: int) -> int:
-    """Shared bytes of the LM_STAGE sample span ((2 * pairs - 1) * hop + n_fft samples, 16-byte multiple);
-    mirrors lm::stage_bytes in logmel.cu."""
-    if not stage:
-        return 0
-    return (((2 * pairs - 1) * hop + n_fft) * in_size + 15) & ~15
-
-
-def smem_bytes(ws_bytes: int, tfs: int, n_mels: int, nnz: int, stage: int = 0) -> int:
-    """Dynamic shared memory of logmel_main (layout in logmel.cu): FFT workspace / Z, LM_STAGE span,
-    output tile, filter descriptors, filter weights."""
-    return ws_bytes + stage + 4 * n_mels * tfs + 12 * n_mels + 4 * nnz
+def smem_bytes(ws_bytes: int, tfs: int, n_mels: int, nnz: int) -> int:
+    """Dynamic shared memory of logmel_main (layout in logmel.cu): FFT workspace / Z, output tile, filter
+    descriptors, filter weights."""
+    return ws_bytes + 4 * n_mels * tfs + 12 * n_mels + 4 * nnz
 
 
 # ---------------------------------------------------------------- MelSpectrogram arguments

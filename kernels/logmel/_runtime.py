@@ -71,8 +71,8 @@ class _Module:
             if cfg.whisper:
                 self.finalize = _ck(driver.cuModuleGetFunction(self.module, b"logmel_finalize"), "cuModuleGetFunction")
             dptr, size = _ck(driver.cuModuleGetGlobal(self.module, b"logmel_info"), "cuModuleGetGlobal")
-            info = np.zeros(12, np.uint32)
-            _ck(driver.cuMemcpyDtoH(info.ctypes.data, dptr, 48), "cuMemcpyDtoH")
+            info = np.zeros(8, np.uint32)
+            _ck(driver.cuMemcpyDtoH(info.ctypes.data, dptr, info.nbytes), "cuMemcpyDtoH")
             dev = _ck(driver.cuDeviceGet(device_index), "cuDeviceGet")
             self.smem_optin = int(
                 _ck(
@@ -88,15 +88,12 @@ class _Module:
         self.tf = int(info[4])
         self.tfs = int(info[5])
         self.threads = int(info[7])
-        self.stage = bool(info[8])  # LM_STAGE: a (2 * pairs - 1) * hop + n_fft sample span in shared memory
-        self.in_size = int(info[9])
         self.smem_set = 48 * 1024
         self.cfg = cfg
 
     def smem(self, hop: int, n_mels: int, nnz: int) -> int:
-        """Dynamic shared memory of logmel_main for this module at hop / n_mels / nnz."""
-        st = C.stage_bytes(self.stage, self.block[1], hop, self.cfg.n_fft, self.in_size)
-        return C.smem_bytes(self.ws_bytes, self.tfs, n_mels, nnz, st)
+        """Dynamic shared memory of logmel_main for this module at n_mels / nnz (``hop`` does not change it)."""
+        return C.smem_bytes(self.ws_bytes, self.tfs, n_mels, nnz)
 
     def ensure_smem(self, nbytes: int) -> None:
         if nbytes <= self.smem_set:
@@ -179,7 +176,6 @@ def _cfg(n_fft: int, n_mels: int, power: float, whisper: bool, in_i16: bool, out
         n_fft=n_fft, pairs=pairs, iters=iters, split=C.split_lanes(n_fft, n_mels), power_mode=C.power_mode(power),
         whisper=whisper, in_i16=in_i16, out_bf16=out_bf16, sm=_device_sm(dev_index), ept=ept,
         direct=whisper and C.WHISPER_DIRECT, minb=C.WHISPER_MINB if whisper else 0, out_f16=out_f16,
-        skel=C.WHISPER_SKEL if whisper else 0,
     )
 
 
@@ -201,17 +197,12 @@ def _check_input(x: torch.Tensor, name: str) -> None:
 
 
 # ---------------------------------------------------------------- Whisper features
-def whisper_impl(pcm: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype,
-                 cfg: KernelConfig | None = None, finalize: bool = True):
-    """out_dtype: torch.float32 / bfloat16 / float16 (a bool still means bfloat16 or not).
-    cfg / finalize: measurement hooks (scripts/logmel_breakdown.py): a kernel configuration other than
-    the default one (its out_bf16 / out_f16 decide the output dtype), and leaving out the finalize launch
-    (then the output is NOT clamped, mask unset)."""
+def whisper_impl(pcm: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype):
+    """out_dtype: torch.float32 / bfloat16 / float16 (a bool still means bfloat16 or not)."""
     B, T = pcm.shape
     dev = pcm.device
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    if cfg is None:
-        cfg = _cfg(WHISPER_N_FFT, n_mels, 2.0, True, pcm.dtype == torch.int16, out_dtype, idx)
+    cfg = _cfg(WHISPER_N_FFT, n_mels, 2.0, True, pcm.dtype == torch.int16, out_dtype, idx)
     out = torch.empty(B, n_mels, WHISPER_FRAMES, dtype=_out_torch_dtype(cfg), device=dev)
     mask = torch.empty(B, WHISPER_FRAMES, dtype=torch.int32, device=dev)
     if B == 0:
@@ -237,8 +228,6 @@ def whisper_impl(pcm: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, o
              off.data_ptr(), w.data_ptr(), len_ptr, tmax_p, tmin_p,
              T, WHISPER_SAMPLES, T, 0, WHISPER_HOP, WHISPER_N_FFT // 2, 0, WHISPER_FRAMES, n_mels, nnz, n_tiles, 1.0],
         )
-        if not finalize:
-            continue
         _launch(
             mod.finalize, (n_tiles, nb, 1), (256, 1, 1), 0, stream,
             [out_p, mask.data_ptr() + 4 * b0 * WHISPER_FRAMES, tmax_p, tmin_p, len_ptr, T, WHISPER_HOP,

@@ -22,8 +22,8 @@
  *   LM_N n_fft, LM_P pairs (FFTs) per block, LM_R iterations per block, LM_SPLIT lanes per mel dot
  *   product, LM_POWER (0: |X|^2, 1: |X|, 2: |X|^power_exp*2), LM_WHISPER, LM_IN_I16, LM_OUT_BF16 /
  *   LM_OUT_F16 (output rounded once, round-to-nearest-even, from the fp32 result; fp16 overflows to
- *   inf above 65504, exactly like torch's .to(torch.float16)), LM_SKEL (skeleton variants, below),
- *   LM_SM (cuFFTDx SM<> value, from the device's compute capability), LM_EPT (0 = cuFFTDx default).
+ *   inf above 65504, exactly like torch's .to(torch.float16)), LM_SM (cuFFTDx SM<> value, from the device's
+ *   compute capability), LM_EPT (0 = cuFFTDx default), LM_MINB and LM_DIRECT (below).
  * The host scales the filter weights by (s/2)^power (s = STFT normalisation, /2 from the pairing),
  * so the kernel feeds |2X|^2 (or its root / power) to the dot product.
  */
@@ -44,48 +44,16 @@
 #if LM_OUT_BF16 && LM_OUT_F16
 #error "LM_OUT_BF16 and LM_OUT_F16 are exclusive"
 #endif
-// Measurement / tiling switches (defaults = the production kernel):
-//   LM_VARIANT bit 1: skip the FFT (the windowed samples go straight to the mel stage)
-//              bit 2: mel projection cut to one tap per filter (FFT output still consumed)
-//              bit 4: no output stores in logmel_main (a run-time-never-true conditional store
-//                     keeps the whole computation live); tile min/max are still written
+// Tiling switches (kernels/logmel/_config.py sets them for the Whisper configs):
 //   LM_MINB    min resident blocks per SM for __launch_bounds__ (0: none), caps registers
 //   LM_DIRECT  1: mel results go straight from registers to global memory (no shared output
 //              tile, so less shared memory per block and more blocks per SM)
-#ifndef LM_VARIANT
-#define LM_VARIANT 0
-#endif
 #ifndef LM_MINB
 #define LM_MINB 0
 #endif
 #ifndef LM_DIRECT
 #define LM_DIRECT 0
 #endif
-// LM_SKEL: per-block skeleton variants (bits; 0 = the shipped kernel). Each one only moves data or work
-// around; the arithmetic and its order are unchanged, so the output is bit-identical to LM_SKEL 0.
-//   bit 1 LM_STAGE  the samples of one iteration's 2*LM_P frames (one contiguous span of
-//                   (2*LM_P-1)*hop + LM_N samples) are copied into shared memory with 16-byte cp.async
-//                   chunks, one iteration ahead: the copy for iteration r+1 is issued as soon as every
-//                   thread holds iteration r's frames (after the FFT's sync) and lands during r's FFT and
-//                   mel stage; frames are then read from shared memory (instead of 2 x LM_EPT strided
-//                   global loads per thread through L1, with the frames' 2.5x overlap). Only iterations
-//                   whose whole span is interior (no padding, every frame valid) are staged; the others
-//                   read global memory as before. No extra sync except one before the first iteration.
-//   bit 2 LM_PSPEC  power spectrum formed once per bin: only Z[k] for k > N/2 goes to shared memory;
-//                   each thread forms spec(|2X_a|^2), spec(|2X_b|^2) of its own bins k <= N/2 (Z[k] from
-//                   its registers, the partner Z[N-k] from shared) into a float2 array, and every mel tap
-//                   then reads one float2 instead of Z[k] and Z[N-k] plus the recombination per filter
-//                   tap (each bin feeds about two filters). One more sync per iteration; the same shared
-//                   bytes as the Z buffer.
-//   bit 4 LM_TASKS  filter descriptor packed as one int2 (start | width << 16, offset): one shared load
-//                   per mel task instead of three.
-#ifndef LM_SKEL
-#define LM_SKEL 0
-#endif
-#define LM_STAGE ((LM_SKEL & 1) != 0)
-#define LM_PSPEC ((LM_SKEL & 2) != 0)
-#define LM_TASKS ((LM_SKEL & 4) != 0)
-
 namespace lm {
 using namespace cufftdx;
 
@@ -109,16 +77,7 @@ static_assert(FFT::block_dim.y == LM_P, "one threadIdx.y per FFT");
 // reading the same k fall in different banks.
 constexpr unsigned kZS = LM_P > 1 ? LM_N + 1 : LM_N;
 constexpr unsigned kZBytes = LM_P * kZS * 8u;
-// LM_PSPEC layout: Zu = Z[k] for N/2 < k < N (index k - N/2 - 1) with an odd complex stride per pair, then
-// the power spectra P[k] = (spec_a, spec_b), k <= N/2, with a float2 stride = 2 mod 4 (pairs in different banks).
-constexpr unsigned kH = LM_N / 2;
-constexpr unsigned kZU = (kH - 1u) | 1u;
-constexpr unsigned kPS = ((kH + 2u) & ~3u) + 2u;
-constexpr unsigned kPOff = (LM_P * kZU * 8u + 15u) & ~15u;  // byte offset of P
-constexpr unsigned kPBytes = kPOff + LM_P * kPS * 8u;
-static_assert(kPS >= kH + 1u && kZU >= kH - 1u, "LM_PSPEC strides");
-constexpr unsigned kZNeed = LM_PSPEC ? kPBytes : kZBytes;
-constexpr unsigned kWsRaw = FFT::shared_memory_size > kZNeed ? FFT::shared_memory_size : kZNeed;
+constexpr unsigned kWsRaw = FFT::shared_memory_size > kZBytes ? FFT::shared_memory_size : kZBytes;
 constexpr unsigned kWsBytes = (kWsRaw + 15u) & ~15u;  // the Z buffer reuses the FFT's shared memory
 constexpr unsigned kTF = 2u * LM_P * LM_R;             // frames per block
 // Row stride of the shared output tile; the +16 breaks 4-way bank conflicts between mel rows.
@@ -126,7 +85,6 @@ constexpr unsigned kTF = 2u * LM_P * LM_R;             // frames per block
 constexpr unsigned kTFS = LM_DIRECT ? 0u : (kTF % 32u == 0u) ? kTF + 16u : kTF;
 static_assert(LM_SPLIT >= 1 && LM_SPLIT <= 32 && (LM_SPLIT & (LM_SPLIT - 1)) == 0, "LM_SPLIT: power of 2");
 static_assert(kThreads % LM_SPLIT == 0, "LM_SPLIT must divide the block");
-static_assert(LM_N / 2 + 1 < 65536, "LM_TASKS packs the filter start into 16 bits");
 
 #if LM_IN_I16
 typedef short in_t;
@@ -192,47 +150,12 @@ __device__ __forceinline__ float warp_min(float v) {
     return v;
 }
 
-// LM_STAGE: bytes of the shared sample span (16-byte multiple); the host computes the same (smem size).
-__device__ __forceinline__ unsigned stage_bytes(int hop) {
-    return LM_STAGE ? (((2u * LM_P - 1u) * (unsigned)hop + LM_N) * (unsigned)sizeof(in_t) + 15u) & ~15u : 0u;
-}
-
-// Issue the asynchronous copy of n samples src[0, n) into shared dst (16-byte aligned), block-wide, as one
-// cp.async group: 16-byte chunks when src is 16-byte aligned (the tail, if any, by plain loads), 4-byte
-// chunks for misaligned float rows, plain loads for misaligned int16 rows (and before sm_80).
-__device__ __forceinline__ void stage_issue(in_t* dst, const in_t* __restrict__ src, int n, int tid) {
-#if __CUDA_ARCH__ >= 800
-    const unsigned d0 = (unsigned)__cvta_generic_to_shared(dst);
-    if ((reinterpret_cast<unsigned long long>(src) & 15ull) == 0) {
-        constexpr int E = 16 / (int)sizeof(in_t);
-        const int nc = n / E;
-        for (int i = tid; i < nc; i += kThreads)
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d0 + 16u * i), "l"(src + E * i) : "memory");
-        for (int i = nc * E + tid; i < n; i += kThreads) dst[i] = __ldg(src + i);
-    } else if (sizeof(in_t) == 4) {
-        for (int i = tid; i < n; i += kThreads)
-            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d0 + 4u * i), "l"(src + i) : "memory");
-    } else {
-        for (int i = tid; i < n; i += kThreads) dst[i] = __ldg(src + i);
-    }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-#else
-    for (int i = tid; i < n; i += kThreads) dst[i] = __ldg(src + i);
-#endif
-}
-__device__ __forceinline__ void stage_wait() {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-#endif
-}
 }  // namespace lm
 
 // Read by the host after loading the module (block shape and shared-memory layout).
-// [8]: LM_STAGE (the host adds stage bytes, C.stage_bytes), [9]: sizeof(in_t), [10]: LM_SKEL.
-extern "C" __device__ unsigned int logmel_info[12] = {
+extern "C" __device__ unsigned int logmel_info[8] = {
     lm::kThreadsX, lm::FFT::block_dim.y, lm::kWsBytes, lm::kEPT,
-    lm::kTF,       lm::kTFS,             lm::FFT::shared_memory_size, lm::kThreads,
-    LM_STAGE ? 1u : 0u, (unsigned)sizeof(lm::in_t), (unsigned)LM_SKEL, 0u};
+    lm::kTF,       lm::kTFS,             lm::FFT::shared_memory_size, lm::kThreads};
 
 #if LM_MINB > 0
 #define LM_BOUNDS __launch_bounds__(lm::kThreads, LM_MINB)
@@ -254,16 +177,11 @@ extern "C" __global__ void LM_BOUNDS logmel_main(
     int pad_mode, int n_frames, int n_mels, int nnz, int n_tiles, float power_exp) {
     using namespace lm;
     extern __shared__ __align__(16) unsigned char smem[];
-    float* tile = reinterpret_cast<float*>(smem + kWsBytes + stage_bytes(hop));
-#if LM_TASKS
-    int2* s_desc = reinterpret_cast<int2*>(tile + n_mels * kTFS);  // 8-byte aligned: n_mels * kTFS is even
-    float* s_w = reinterpret_cast<float*>(s_desc + n_mels);
-#else
+    float* tile = reinterpret_cast<float*>(smem + kWsBytes);
     int* s_start = reinterpret_cast<int*>(tile + n_mels * kTFS);
     int* s_width = s_start + n_mels;
     int* s_off = s_width + n_mels;
     float* s_w = reinterpret_cast<float*>(s_off + n_mels);
-#endif
     __shared__ float red[2][32];
 
     const int b = blockIdx.y;
@@ -285,28 +203,11 @@ extern "C" __global__ void LM_BOUNDS logmel_main(
     }
 #endif
 
-#if LM_STAGE
-    // Iteration r is staged when its whole span is interior (block-uniform).
-    in_t* stage = reinterpret_cast<in_t*>(smem + kWsBytes);
-    const int span = (2 * LM_P - 1) * hop + LM_N;
-    auto span_start = [&](int r) -> long long { return (long long)(t0 + r * 2 * LM_P) * hop - cpad - pad; };
-    auto stage_ok = [&](int r) -> bool {
-        const long long js = span_start(r);
-        return t0 + (r + 1) * 2 * LM_P <= n_frames && js >= 0 && js + span <= Lvalid;
-    };
-    bool staged = stage_ok(0);
-    if (staged) stage_issue(stage, row + span_start(0), span, tid);  // overlaps the filter staging below
-#endif
-
-#if LM_TASKS
-    for (int i = tid; i < n_mels; i += kThreads) s_desc[i] = make_int2(fb_start[i] | (fb_width[i] << 16), fb_off[i]);
-#else
     for (int i = tid; i < n_mels; i += kThreads) {
         s_start[i] = fb_start[i];
         s_width[i] = fb_width[i];
         s_off[i] = fb_off[i];
     }
-#endif
     for (int i = tid; i < nnz; i += kThreads) s_w[i] = fb_w[i];
 
     // Each thread always handles the same sample positions n = tx + i*stride: keep the window there.
@@ -323,21 +224,6 @@ extern "C" __global__ void LM_BOUNDS logmel_main(
         const long long jb = ja + hop;
         cplx td[FFT::storage_size];
         const bool fast = (fa + 1 < n_frames) && (ja - pad >= 0) && (jb + LM_N - pad <= Lvalid);
-#if LM_STAGE
-        if (staged) {  // the span is in shared memory (r > 0: waited for before the previous iteration's last sync)
-            if (r == 0) {
-                stage_wait();
-                __syncthreads();
-            }
-            const in_t* sa = stage + 2 * p * hop + threadIdx.x;
-            const in_t* sb = sa + hop;
-#pragma unroll
-            for (int i = 0; i < kEPT; ++i) {
-                td[i].x = wreg[i] * to_f(sa[i * kStride]);
-                td[i].y = wreg[i] * to_f(sb[i * kStride]);
-            }
-        } else
-#endif
         if (fast) {  // interior frames: no padding arithmetic at all
             const in_t* pa = row + (ja - pad) + threadIdx.x;
             const in_t* pb = row + (jb - pad) + threadIdx.x;
@@ -356,44 +242,11 @@ extern "C" __global__ void LM_BOUNDS logmel_main(
             }
         }
 
-#if !(LM_VARIANT & 1)
         FFT().execute(td, smem);
-#endif
         __syncthreads();  // every FFT is done with the shared workspace before it becomes Z
-#if LM_STAGE
-        // every thread holds this iteration's frames: the span buffer is free for the next iteration's
-        const bool staged_next = (r + 1 < LM_R) && stage_ok(r + 1);
-        if (staged_next) stage_issue(stage, row + span_start(r + 1), span, tid);
-#endif
-#if LM_PSPEC
-        {
-            cplx* zu = reinterpret_cast<cplx*>(smem) + p * kZU;
-#pragma unroll
-            for (int i = 0; i < kEPT; ++i) {
-                if ((i + 1) * kStride - 1 <= kH) continue;  // compile time: all of this slot's bins are <= N/2
-                const int k = threadIdx.x + i * kStride;
-                if (k > (int)kH) zu[k - kH - 1] = td[i];
-            }
-            __syncthreads();
-            float2* ps = reinterpret_cast<float2*>(smem + kPOff) + p * kPS;
-#pragma unroll
-            for (int i = 0; i < kEPT; ++i) {
-                if (i * kStride > kH) continue;  // compile time: no bin <= N/2 in this slot (td[i] is dead here)
-                const int k = threadIdx.x + i * kStride;
-                if (k <= (int)kH) {
-                    const cplx a = td[i];
-                    const cplx c = (k == 0 || k == (int)kH) ? a : zu[LM_N - k - kH - 1];
-                    const float u = a.x + c.x, v = a.y - c.y;  // 2 X_a
-                    const float s = a.y + c.y, d = a.x - c.x;  // 2 X_b (up to a unit factor)
-                    ps[k] = make_float2(spec_of(fmaf(u, u, v * v), power_exp), spec_of(fmaf(s, s, d * d), power_exp));
-                }
-            }
-        }
-#else
         cplx* z = reinterpret_cast<cplx*>(smem) + p * kZS;
 #pragma unroll
         for (int i = 0; i < kEPT; ++i) z[threadIdx.x + i * kStride] = td[i];
-#endif
         __syncthreads();
 
         // Mel projection: task = (mel m, pair pp); LM_SPLIT lanes share one task's dot product.
@@ -405,23 +258,8 @@ extern "C" __global__ void LM_BOUNDS logmel_main(
             float acc_a = 0.f, acc_b = 0.f;
             const int m = task / LM_P, pp = task % LM_P;
             if (task < n_tasks) {
-#if LM_TASKS
-                const int2 dsc = s_desc[m];
-                const int k0 = dsc.x & 0xffff, off = dsc.y;
-                const int w = (LM_VARIANT & 2) ? min(dsc.x >> 16, 1) : dsc.x >> 16;
-#else
                 const int k0 = s_start[m], off = s_off[m];
-                const int w = (LM_VARIANT & 2) ? min(s_width[m], 1) : s_width[m];
-#endif
-#if LM_PSPEC
-                const float2* pp2 = reinterpret_cast<const float2*>(smem + kPOff) + pp * kPS;
-                for (int q = sub; q < w; q += LM_SPLIT) {
-                    const float2 sp = pp2[k0 + q];
-                    const float wt = s_w[off + q];
-                    acc_a = fmaf(wt, sp.x, acc_a);
-                    acc_b = fmaf(wt, sp.y, acc_b);
-                }
-#else
+                const int w = s_width[m];
                 const cplx* zp = reinterpret_cast<const cplx*>(smem) + pp * kZS;
                 for (int q = sub; q < w; q += LM_SPLIT) {
                     const int k = k0 + q;
@@ -433,7 +271,6 @@ extern "C" __global__ void LM_BOUNDS logmel_main(
                     acc_a = fmaf(wt, spec_of(fmaf(u, u, v * v), power_exp), acc_a);
                     acc_b = fmaf(wt, spec_of(fmaf(s, s, d * d), power_exp), acc_b);
                 }
-#endif
             }
 #pragma unroll
             for (int o = LM_SPLIT / 2; o > 0; o >>= 1) {
@@ -456,9 +293,6 @@ extern "C" __global__ void LM_BOUNDS logmel_main(
                 acc_b = (acc_b + 4.0f) * 0.25f;
 #endif
                 out_t* o = out + obase + (long long)m * n_frames + t;
-#if LM_VARIANT & 4
-                if (acc_a == power_exp * 1e30f) o[0] = from_f(acc_b);  // never true at run time
-#else
                 if (okb && (n_frames & 1) == 0) {  // t even: 2-element aligned
 #if LM_OUT_BF16
                     *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(acc_a, acc_b);
@@ -471,16 +305,11 @@ extern "C" __global__ void LM_BOUNDS logmel_main(
                     if (oka) o[0] = from_f(acc_a);
                     if (okb) o[1] = from_f(acc_b);
                 }
-#endif
 #else
                 *reinterpret_cast<float2*>(tile + m * kTFS + r * 2 * LM_P + 2 * pp) = make_float2(acc_a, acc_b);
 #endif
             }
         }
-#if LM_STAGE
-        if (staged_next) stage_wait();  // the next span has landed; the sync below makes it visible
-        staged = staged_next;
-#endif
         __syncthreads();  // Z (= FFT workspace) is overwritten by the next iteration
     }
 
@@ -495,11 +324,7 @@ extern "C" __global__ void LM_BOUNDS logmel_main(
             lmax = fmaxf(lmax, v);
             v = (v + 4.0f) * 0.25f;
 #endif
-#if LM_VARIANT & 4
-            if (v == power_exp * 1e30f) out[obase + (long long)m * n_frames + t] = from_f(v);  // never true
-#else
             out[obase + (long long)m * n_frames + t] = from_f(v);
-#endif
         }
     }
 #endif

@@ -7,32 +7,27 @@ same run. Decode-shape cases also report us per call inside a CUDA graph (100 ca
 Decode attention also sweeps (splits, BLOCK_N, stages, warps) at two shapes.
 
 Prints a table; writes JSON to $OUT/bench_kernels.json (or ./bench_kernels.json).
-Usage: PYTHONUNBUFFERED=1 python scripts/bench/bench_kernels.py [--no-compile] [--quick]
+Usage (from the checkout root): PYTHONUNBUFFERED=1 python -m scripts.bench.bench_kernels [--no-compile] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import sys
 import time
 
 import torch
+import triton
+from triton.testing import do_bench
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the checkout root
-
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from graph_timing import graph_call_us  # noqa: E402  (scripts/bench/graph_timing.py, next to this file)
-from glmasr_kernels.activations import gelu_bias, gelu_bias_ref, swiglu, swiglu_ref  # noqa: E402
-from glmasr_kernels.decode_attention import choose_num_splits, decode_attention, decode_attention_ref  # noqa: E402
-from glmasr_kernels.kv_append import kv_append, kv_append_ref  # noqa: E402
-from glmasr_kernels.layernorm import layer_norm, layer_norm_ref  # noqa: E402
-from glmasr_kernels.rmsnorm import rms_norm, rms_norm_ref  # noqa: E402
-from glmasr_kernels.rope import build_rope_cache, rope_, rope_and_append, rope_ref  # noqa: E402
+from glmasr_kernels.activations import gelu_bias, gelu_bias_ref, swiglu, swiglu_ref
+from glmasr_kernels.decode_attention import choose_num_splits, decode_attention, decode_attention_ref
+from glmasr_kernels.kv_append import kv_append, kv_append_ref
+from glmasr_kernels.layernorm import layer_norm, layer_norm_ref
+from glmasr_kernels.rmsnorm import rms_norm, rms_norm_ref
+from glmasr_kernels.rope import build_rope_cache, rope_, rope_and_append, rope_ref
+from scripts.bench.graph_timing import graph_call_us
 
 DEV = "cuda"
 BF = torch.bfloat16

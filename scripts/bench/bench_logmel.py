@@ -12,18 +12,15 @@ import argparse
 import json
 import os
 import statistics
-import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout root
-
-from glmasr.features import log_mel_windows  # noqa: E402
-from glmasr_kernels.logmel import MelSpectrogram, whisper_features  # noqa: E402
-from glmasr_kernels.logmel import _config as C  # noqa: E402
-from glmasr_kernels.logmel._build import KernelConfig, get_cubin  # noqa: E402
+from glmasr.features import log_mel_windows
+from glmasr_kernels.logmel import MelSpectrogram, whisper_features
+from glmasr_kernels.logmel import _config as C
+from glmasr_kernels.logmel._build import KernelConfig, get_cubin
 
 SWEEP = [1 << k for k in range(6, 15)]
 

@@ -17,9 +17,9 @@ Writes $OUT/bench_skinny_gemm.json (or ./bench_skinny_gemm.json) after every sta
    ptxas and print registers, stack (spills), shared memory and the SASS counts of (128-bit) global loads,
    cp.async, MMA and local-memory instructions per kernel.
 
-Usage: PYTHONUNBUFFERED=1 python scripts/bench/bench_skinny_gemm.py [--sweep] [--sweep-m 1,2,4,8,16] [--budget S]
+Usage (from the checkout root): PYTHONUNBUFFERED=1 python -m scripts.bench.bench_skinny_gemm [--sweep] [--sweep-m 1,2,4,8,16] [--budget S]
        [--workers N] [--quick] [--no-decoder]
-       python scripts/bench/bench_skinny_gemm.py --aot-check all
+       python -m scripts.bench.bench_skinny_gemm --aot-check all
 """
 
 from __future__ import annotations
@@ -36,11 +36,9 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the checkout root
-
-from graph_timing import graph_call_us  # noqa: E402  (scripts/bench/graph_timing.py, next to this file)
-from glmasr_kernels import skinny_gemm as sg  # noqa: E402
-from glmasr_kernels.skinny_gemm import SkinnyConfig  # noqa: E402
+from glmasr_kernels import skinny_gemm as sg
+from glmasr_kernels.skinny_gemm import SkinnyConfig
+from scripts.bench.graph_timing import graph_call_us
 
 BF = torch.bfloat16
 HIDDEN, INTER, VOCAB, LAYERS = 2048, 6144, 59264, 28
@@ -369,7 +367,7 @@ def aot_compile(m: int, n_w: int, k: int, cfg: SkinnyConfig, swiglu: bool, arch:
     resource usage and SASS: registers, stack (spills), shared memory, 128-bit loads, cp.async, MMA, local mem."""
     import re
 
-    from aot import compile_for, usage
+    from scripts.bench.aot import compile_for, usage
 
     from glmasr_kernels._triton_utils import cdiv, next_pow2
     fn = sg._skinny_kernel
@@ -382,18 +380,16 @@ def aot_compile(m: int, n_w: int, k: int, cfg: SkinnyConfig, swiglu: bool, arch:
     iters = cdiv(kt, cfg.split_k)
     split = cdiv(kt, iters)
     names = [p.name for p in fn.params]
-    types = dict(X="*bf16", W="*bf16", Y="*bf16", WS="*fp32" if split > 1 else "*bf16", G="*bf16", R="*bf16",
-                 M="i32", N="i32", K="i32", sx="i32", sw="i32", sy="i32", sr="i32", HALF="i32", eps="fp32")
+    types = dict(X="*bf16", W="*bf16", Y="*bf16", WS="*fp32" if split > 1 else "*bf16",
+                 M="i32", N="i32", K="i32", sx="i32", sw="i32", sy="i32", HALF="i32")
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, ITERS=iters, EVEN_N=n % bn == 0,
                  EVEN_K=k % bk == 0 and kt % iters == 0, USE_DOT=cfg.use_dot, SWIGLU=swiglu, UPCAST=False,
                  NUM_STAGES=cfg.num_stages, STATIC=False, DOT_PREC="tf32", PDL=True,
-                 PRELOAD=min(1 if cfg.use_dot else sg.PRELOAD_TILES, iters), NORM=False, K_P2=next_pow2(k),
-                 RESID=False, L2_BYTES=0)
+                 PRELOAD=min(1 if cfg.use_dot else sg.PRELOAD_TILES, iters))
     if m == 1:
         const["M"] = 1
     sig = {nm: ("constexpr" if nm in const else types[nm]) for nm in names}
-    div = ["X", "W", "Y", "WS", "G", "R"] + [nm for nm, v in dict(K=k, sx=k, sw=k, sy=n, sr=n, N=n).items()
-                                             if v % 16 == 0]
+    div = ["X", "W", "Y", "WS"] + [nm for nm, v in dict(K=k, sx=k, sw=k, sy=n, N=n).items() if v % 16 == 0]
     ck, res, sass = compile_for(fn, sig, const, div, arch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                 launch_pdl=True)
     return dict(**usage(res),

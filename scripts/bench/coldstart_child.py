@@ -1,7 +1,7 @@
 """One cold-start measurement in a fresh process (run by the coldstart section of scripts/benchmark.py, once per
 case, with the caches it chose in GLMASR_CACHE_DIR / TRITON_CACHE_DIR):
 
-    python scripts/bench/coldstart_child.py CHECKPOINT RESULT.json [--device cuda] [--dtype bfloat16]
+    python -m scripts.bench.coldstart_child CHECKPOINT RESULT.json [--device cuda] [--dtype bfloat16]
         [--backend triton] [--warmup] [--seconds 3.5] [--new-tokens 13] [--mixed N --max-batch B]
 
 Stages, in order, each a wall clock that ends with the GPU synchronised (queued GPU work is charged to the stage
@@ -69,9 +69,6 @@ def main() -> int:
         if cuda:
             torch.cuda.synchronize()
 
-    root = str(Path(__file__).resolve().parents[2])  # the checkout (glmasr imports from it on the device)
-    if root not in sys.path:
-        sys.path.insert(0, root)
     dump(result_path)
     try:
         t = time.monotonic()
@@ -106,9 +103,8 @@ def main() -> int:
                 RESULT["warmup_stages_ms"] = as_ms_dict(got, "warmup")
             dump(result_path)
 
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from triton_hooks import triton_compiles
-        from workloads import mixed_clips, noise_clip
+        from scripts.bench.triton_hooks import triton_compiles
+        from scripts.bench.workloads import mixed_clips, noise_clip
 
         audio = mixed_clips(mixed) if mixed else noise_clip(seconds, seed=0)
         if mixed:

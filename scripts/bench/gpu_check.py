@@ -12,7 +12,7 @@ Parts (default: all, in this order; each is kept when a later one fails):
            floor (decoder weight bytes / device-to-device copy peak measured in this run)
   encoder  encoder + projector ms per 30 s window at 1/8/32 windows, Triton path vs plain-torch path
 
-    python scripts/bench/gpu_check.py [logits] [e2e] [decode] [encoder] [--clip speech|noise] [--out DIR]
+    python -m scripts.bench.gpu_check [logits] [e2e] [decode] [encoder] [--clip speech|noise] [--out DIR]
 
 ``--clip speech`` (default) is assets/speech_en.flac (needs soundfile), ``noise`` Gaussian noise (x 0.1, seed 0).
 Writes DIR/gpu_check.json (DIR: --out, else $OUT, else ./out) after every part and prints a table per part.
@@ -37,10 +37,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout root
-sys.path.insert(0, str(ROOT))
-import glmasr  # noqa: E402
-from glmasr.random_checkpoint import ensure_full_size_checkpoint  # noqa: E402
+import glmasr
+from glmasr.random_checkpoint import ensure_full_size_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout root (the speech sample)
 
 PARTS = ("logits", "e2e", "decode", "encoder")
 # the models each part uses (dropped once no later part needs them)
@@ -100,7 +100,7 @@ def timed(fn, warmup: int, runs: int) -> dict:
 def graph_time_ms(fn, replays: int = 50) -> float:
     """ms per call of ``fn`` captured in a CUDA graph (scripts/bench/graph_timing.py): median over ``replays``
     timed replays after an eager warm-up."""
-    from graph_timing import graph_call_us
+    from scripts.bench.graph_timing import graph_call_us
 
     return graph_call_us([fn], repeats=1, replays=replays, warmup_passes=3) / 1e3
 
@@ -276,8 +276,7 @@ def part_decode(models: Models, report: dict) -> list[str]:
     copy_peak = report.setdefault("copy_peak_GBps", copy_peak_bytes_per_s() / 1e9) * 1e9
     fast = models.get("ours_triton")
     model, cfg = fast.model, fast.config.text
-    weight_bytes = sum(t.numel() * t.element_size() for lw in model.dec_layers
-                       for t in (lw.w_qkv, lw.w_o, lw.w_gate_up, lw.w_down)) + model.lm_head.numel() * 2
+    weight_bytes = model.decoder.weight_bytes()
     floor_ms = weight_bytes / copy_peak * 1e3  # reading the weights at copy-peak speed (copy peak counts r + w)
     report["decoder_weight_bytes"] = weight_bytes
     report["weight_streaming_floor_ms"] = floor_ms
@@ -301,12 +300,12 @@ def part_decode(models: Models, report: dict) -> list[str]:
         xi = torch.randn(batch, cfg.intermediate_size, device=DEV, dtype=torch.bfloat16)
 
         def bare():
-            for lw in model.dec_layers:
+            for lw in model.decoder.layers:
                 F.linear(x, lw.w_qkv)
                 F.linear(x, lw.w_o)
                 F.linear(x, lw.w_gate_up)
                 F.linear(xi, lw.w_down)
-            F.linear(x, model.lm_head)
+            F.linear(x, model.decoder.lm_head)
 
         bare_ms = graph_time_ms(bare)
         for r in rows:

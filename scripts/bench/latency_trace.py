@@ -1,6 +1,6 @@
 """Where the batch-1 latency goes beyond the GPU's own work: the 3.5 s / 13-token case of benchmark.sh, traced.
 
-    python scripts/bench/latency_trace.py --out DIR     (H200; full-size random-weight checkpoint)
+    python -m scripts.bench.latency_trace --out DIR     (H200; full-size random-weight checkpoint)
 
 Writes DIR/latency_trace.json (chrome trace of 2 runs: CPU ops + CUDA kernels, graphs included) and
 DIR/latency_cprofile.txt (host functions by own time over 20 runs), and prints per run: wall time, GPU busy time
@@ -16,16 +16,13 @@ import io
 import json
 import pstats
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout root
-sys.path.insert(0, str(ROOT))
-import glmasr  # noqa: E402
-from glmasr.random_checkpoint import ensure_full_size_checkpoint  # noqa: E402
+import glmasr
+from glmasr.random_checkpoint import ensure_full_size_checkpoint
 
 
 def gpu_gaps(trace: dict, top: int = 12) -> dict:

@@ -1,16 +1,13 @@
 """Compile every fused-frontend configuration the tests use, in parallel (NVRTC takes seconds per cubin cold).
-Run on the device before the GPU tests: python3 scripts/bench/prewarm_logmel.py"""
+Run on the device before the GPU tests, from the checkout root: python3 -m scripts.bench.prewarm_logmel"""
 
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout root
-from glmasr_kernels.logmel._build import get_cubin  # noqa: E402
-from tests.test_logmel_cuda import all_test_configs  # noqa: E402
+from glmasr_kernels.logmel._build import get_cubin
+from tests.test_logmel_cuda import all_test_configs
 
 if __name__ == "__main__":
     major, minor = torch.cuda.get_device_capability()

@@ -1,7 +1,7 @@
 """The server under load beside offline throughput, in one run (issue 11's load benchmark).
 
     bash benchmark.sh --only serve                   # as a benchmark.sh section (full-size checkpoint, H200)
-    python scripts/bench/serve_load.py --model FOLDER --device cuda [--clients 1,8,64,256] [--seconds 30]
+    python -m scripts.bench.serve_load --model FOLDER --device cuda [--clients 1,8,64,256] [--seconds 30]
 
 Starts ``glmasr serve`` in its own process on a free 127.0.0.1 port (full warm-up before /health is ok; slots =
 the offline model's, queue 2 x the highest concurrency), then runs ``glmasr.server.loadgen``'s clients (the
@@ -83,7 +83,6 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     import glmasr
     from glmasr.random_checkpoint import ensure_full_size_checkpoint
 

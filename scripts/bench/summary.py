@@ -53,10 +53,8 @@ def benchmark_rows(path: Path) -> list[tuple[str, str]]:
                          f"{fmt(row.get('ours_ms'))} / {fmt(row.get('hf_eager_ms'))} / "
                          f"{fmt(row.get('hf_compiled_ms'))} ms"))
     if isinstance(r.get("decode"), list) and r["decode"]:
-        for kind in dict.fromkeys(d.get("decode_step") for d in r["decode"]):
-            rows.append((f"decode ms/token by context (batch 1{', ' + kind if kind else ''})",
-                         ", ".join(f"{d['context']}: {d['ms_per_token']:.3f}" for d in r["decode"]
-                                   if d.get("decode_step") == kind)))
+        rows.append(("decode ms/token by context (batch 1)",
+                     ", ".join(f"{d['context']}: {d['ms_per_token']:.3f}" for d in r["decode"])))
     if isinstance(r.get("encoder"), list):
         rows.append(("encoder ms/window by windows (ours / transformers eager)",
                      ", ".join(f"{e['windows']}: {e['ours_ms_per_window']:.2f} / "
@@ -65,10 +63,10 @@ def benchmark_rows(path: Path) -> list[tuple[str, str]]:
         rows.append(("throughput RTFx", ", ".join(f"{t['impl']}: {t['RTFx']:.0f}" for t in r["throughput"])))
     bd = r.get("breakdown")
     if isinstance(bd, dict) and "decode_step_graph_ms" in bd:
-        rows.append(("decode step (graph) ms, default / chain / chain no PDL",
+        rows.append(("decode step (graph) ms, batch 1 / batch 8 / batch 1 no PDL",
                      f"{fmt(bd['decode_step_graph_ms'].get('default'), '.3f')} / "
-                     f"{fmt(bd['decode_step_graph_ms'].get('chain'), '.3f')} / "
-                     f"{fmt(bd['decode_step_graph_ms'].get('chain, no PDL'), '.3f')}"))
+                     f"{fmt(bd['decode_step_graph_ms'].get('default, batch 8'), '.3f')} / "
+                     f"{fmt(bd['decode_step_graph_ms'].get('no PDL'), '.3f')}"))
     if isinstance(r.get("invariant"), list):
         by_case = {}
         for row in r["invariant"]:

@@ -1,0 +1,189 @@
+"""The text decoder and lm head of the GPU path, on the fused weight cache (models/fast_weights.py).
+
+- ``forward`` (``FastGlmAsrModel.decode``): the decoder over (B, T) embeddings. A decode step (T == 1): per
+  layer RMSNorm (``kernels/rmsnorm.py``, the residual add fused into the next one), the fused qkv GEMV, RoPE +
+  KV append in one launch (``kernels/rope.py``), decode attention straight from the KV buffer with
+  per-sequence lengths (``kernels/decode_attention.py``), o_proj, the gate|up GEMV fused with SwiGLU and
+  down_proj, every GEMM on ``kernels/skinny_gemm.py`` (its dispatchers pick cuBLAS where the table says so or
+  above 16 rows). A prefill from slot 0 (T > 1, the runner's one-prompt graphs): cuBLAS GEMMs, the SwiGLU
+  kernel and causal torch SDPA (cuDNN first).
+- ``prefill``: every admitted prompt in one (1, sum L, hidden) pass, no padding: each token carries its own
+  position and cache row into ``rope_and_append``, attention is one variable-length causal flash-attention call
+  (per prompt torch SDPA where flash cannot: fp32, the interpreter), and the last layer's MLP runs on each
+  prompt's last token only.
+- ``logits``: the lm head on the skinny GEMV for up to 16 rows.
+
+Batch invariance (``invariant=True``, the model's ``batch_invariant``): the decode GEMVs and the lm head run one
+config per shape for every row count (``skinny_gemm.linear_invariant``) and decode attention one pass per (row,
+kv head) (its split count would follow the batch), so a row's numerics do not depend on the rows beside it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from glmasr_kernels import skinny_gemm
+from glmasr_kernels._triton_utils import interpreting
+from glmasr_kernels.activations import swiglu
+from glmasr_kernels.decode_attention import decode_attention
+from glmasr_kernels.rmsnorm import rms_norm
+from glmasr_kernels.rope import build_rope_cache, rope_and_append
+
+from ..device import host_to_device
+from .fast_weights import decoder_weights
+from .kv_cache import KVCache
+from .layers import sdpa_backends
+
+
+def flash_varlen_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether torch's flash-attention varlen forward takes the packed prefill: CUDA sm_80+, fp16/bf16, a head
+    dim that is a multiple of 8 up to 256, and a torch built with it (not under the Triton interpreter)."""
+    if device.type != "cuda" or interpreting() or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if head_dim % 8 or head_dim > 256 or torch.cuda.get_device_capability(device)[0] < 8:
+        return False
+    return torch.backends.cuda.is_flash_attention_available()
+
+
+class KernelDecoder:
+    """The decoder layers, final norm and lm head of a loaded reference model, on the kernels."""
+
+    def __init__(self, reference):
+        dec = reference.language_model
+        self.cfg = c = reference.cfg.text
+        self.device = reference.device
+        self.layers = decoder_weights(dec.layers)
+        self.final_norm = dec.norm.weight
+        self.lm_head = reference.lm_head.weight
+        self.cos, self.sin = build_rope_cache(c.head_dim, c.max_position_embeddings, c.rope_theta,
+                                              device=reference.device)
+        # attention of the packed prefill: "flash-varlen" (one variable-length causal flash call over all
+        # prompts: no padding, no per-shape plan) where torch's flash kernel takes the call, else "sdpa" (per
+        # prompt, torch SDPA in SDPA_ORDER)
+        self.packed_attention = ("flash-varlen" if flash_varlen_supported(reference.device, reference.dtype,
+                                                                           c.head_dim) else "sdpa")
+
+    def weight_bytes(self) -> int:
+        """Bytes of the matrices a decode step streams: every layer's four and the lm head."""
+        return (sum(t.numel() * t.element_size() for lw in self.layers for t in lw.tensors())
+                + self.lm_head.numel() * self.lm_head.element_size())
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
+                rows: torch.Tensor | None, invariant: bool) -> torch.Tensor:
+        """``AsrModel.decode`` (models/interface.py): embeddings (B, T, hidden) at positions (B, T), sequence b in
+        cache row ``rows[b]`` (default b); returns final-normed hidden states. A prefill (T > 1) starts at slot
+        0 (kv_len == T)."""
+        c = self.cfg
+        b, t, hidden = embeds.shape
+        nq, nk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        prefill = t > 1
+        if prefill and kv_len != t:
+            raise ValueError("the fast path prefills from slot 0 only (kv_len must equal the prompt length)")
+        eps = c.rms_norm_eps
+        residual = embeds
+        h = rms_norm(embeds, self.layers[0].ln1, eps)
+        lengths = positions[:, 0] + 1 if not prefill else None
+        linear, linear_swiglu = self._linears(prefill, invariant)
+        for i, lw in enumerate(self.layers):
+            qkv = linear(h, lw.w_qkv)
+            q = qkv[..., : nq * d].view(b, t, nq, d)
+            k = qkv[..., nq * d:(nq + nk) * d].view(b, t, nk, d)
+            v = qkv[..., (nq + nk) * d:].view(b, t, nk, d)
+            rope_and_append(q, k, v, positions, self.cos, self.sin, cache.k[i], cache.v[i], cache_rows=rows)
+            if prefill:
+                with sdpa_backends():
+                    attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                          is_causal=True, scale=d ** -0.5, enable_gqa=nq != nk)
+                attn = attn.transpose(1, 2).reshape(b, t, nq * d)
+            else:
+                attn = decode_attention(q[:, 0], cache.k[i], cache.v[i], lengths, max_len=kv_len, cache_rows=rows,
+                                        sm_scale=d ** -0.5, num_splits=1 if invariant else None
+                                        ).reshape(b, 1, nq * d)
+            h, residual = rms_norm(linear(attn, lw.w_o), lw.ln2, eps, residual=residual)
+            mlp = linear(linear_swiglu(h, lw.w_gate_up), lw.w_down)
+            nxt = self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.final_norm
+            h, residual = rms_norm(mlp, nxt, eps, residual=residual)
+        return h
+
+    def prefill(self, embeds: list[torch.Tensor], cache: KVCache, rows: list[int]) -> torch.Tensor:
+        """``AsrModel.prefill``: prompts ``embeds[i]`` (L_i, hidden) into cache row ``rows[i]`` from slot 0, packed
+        (module docstring). Returns the final-normed hidden state of each prompt's last token (len(embeds),
+        hidden)."""
+        c = self.cfg
+        nq, nk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        eps = c.rms_norm_eps
+        lengths = [int(e.shape[0]) for e in embeds]
+        if len(rows) != len(lengths) or min(lengths, default=0) < 1:
+            raise ValueError(f"prefill needs one cache row per prompt and non-empty prompts; got {len(rows)} rows "
+                             f"for prompt lengths {lengths}")
+        n, max_len = sum(lengths), max(lengths)
+        starts = [0]
+        for length in lengths:
+            starts.append(starts[-1] + length)
+        # per-token positions and cache rows, the prompts' boundaries (int32, as flash takes them): one copy, each
+        # part at a 64-byte aligned offset (Triton specialises on pointer alignment: an odd token count would
+        # otherwise compile another variant of the RoPE kernel)
+        stride = -(-n // 16) * 16
+        host = torch.zeros(2 * stride + len(starts), dtype=torch.int32)
+        host[:n] = torch.cat([torch.arange(length, dtype=torch.int32) for length in lengths])
+        host[stride:stride + n] = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int32), torch.tensor(lengths))
+        host[2 * stride:] = torch.tensor(starts, dtype=torch.int32)
+        dev_idx = host_to_device(host, self.device)
+        positions, tok_rows = dev_idx[:n].view(1, n), dev_idx[stride:stride + n].view(1, n)
+        cu = dev_idx[2 * stride:]
+        last = (cu[1:] - 1).long()
+        x = torch.cat(embeds)[None] if len(embeds) > 1 else embeds[0][None]
+        residual = x
+        h = rms_norm(x, self.layers[0].ln1, eps)
+        for i, lw in enumerate(self.layers):
+            qkv = F.linear(h, lw.w_qkv)
+            q = qkv[..., : nq * d].view(1, n, nq, d)
+            k = qkv[..., nq * d:(nq + nk) * d].view(1, n, nk, d)
+            v = qkv[..., (nq + nk) * d:].view(1, n, nk, d)
+            rope_and_append(q, k, v, positions, self.cos, self.sin, cache.k[i], cache.v[i], cache_rows=tok_rows)
+            attn = self._packed_attention(q[0], k[0], v[0], cu, starts, max_len).view(1, n, nq * d)
+            h, residual = rms_norm(F.linear(attn, lw.w_o), lw.ln2, eps, residual=residual)
+            if i + 1 == len(self.layers):  # only the last tokens' hidden states are read
+                h, residual = h[:, last], residual[:, last]
+            mlp = F.linear(swiglu(F.linear(h, lw.w_gate_up)), lw.w_down)
+            nxt = self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.final_norm
+            h, residual = rms_norm(mlp, nxt, eps, residual=residual)
+        return h[0]
+
+    def _packed_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+                          starts: list[int], max_len: int) -> torch.Tensor:
+        """Causal attention within each prompt of a packed prefill: q (N, Hq, D), k/v (N, Hk, D) (views into the
+        QKV output), prompt i = rows [starts[i], starts[i+1]) (``cu`` the same boundaries on the device, int32);
+        returns (N, Hq, D)."""
+        scale = q.shape[-1] ** -0.5
+        if self.packed_attention == "flash-varlen":
+            # torch's flash-attention 2 varlen forward (GQA native: Hq a multiple of Hk), causal, no dropout
+            return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, True, False,
+                                                           scale=scale)[0]
+        out = torch.empty_like(q)
+        gqa = q.shape[1] != k.shape[1]
+        with sdpa_backends():
+            for s, e in zip(starts, starts[1:]):
+                out[s:e] = F.scaled_dot_product_attention(
+                    q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None],
+                    is_causal=True, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _linears(prefill: bool, invariant: bool):
+        """(linear, linear_swiglu) for a call: a prefill's GEMMs on cuBLAS (+ the SwiGLU kernel), a decode
+        step's on the skinny GEMV kernels (their batch-invariant dispatchers with ``invariant``)."""
+        if prefill:
+            return F.linear, lambda x, w: swiglu(F.linear(x, w))
+        if invariant:
+            return skinny_gemm.linear_invariant, skinny_gemm.linear_swiglu_invariant
+        return skinny_gemm.linear, skinny_gemm.linear_swiglu
+
+    def logits(self, hidden: torch.Tensor, upcast: bool, invariant: bool) -> torch.Tensor:
+        """lm head; fp32 unless ``upcast=False`` (the model dtype: the engine's greedy_commit reads it as is and
+        casts each element to fp32 in registers, exactly what ``.float()`` gives, for both the argmax and the
+        log-sum-exp of the chosen token's log-probability, so the cast kernel per step is saved)."""
+        linear, _ = self._linears(hidden.dim() > 2 and hidden.shape[-2] > 1, invariant)
+        y = linear(hidden, self.lm_head)
+        return y.float() if upcast else y
