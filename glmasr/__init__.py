@@ -7,18 +7,17 @@
     asr.close()                                          # or `with glmasr.load(...) as asr:` frees it
 """
 
+from . import errors
 from .api import close_shared_model, transcribe, transcribe_stream
-from .audio import AudioError, AudioWarning
-from .config import ConfigError, GlmAsrConfig
-from .engine.loop import EngineClosed, EngineError, RequestTimeoutError
+from .errors import (AudioError, AudioWarning, CheckpointError, ConfigError, EngineClosed, EngineError,
+                     RequestTimeoutError, TokenizerError)
 from .handle import GlmAsr, TranscriptionJob, load
+from .models.config import GlmAsrConfig
 from .options import DecodeOptions, EngineOptions
 from .results import Segment, Transcription, TranscriptDelta
-from .tokenizer import TokenizerError
-from .weights import CheckpointError
 
 __all__ = ["load", "transcribe", "transcribe_stream", "GlmAsr", "TranscriptionJob", "Transcription",
            "TranscriptDelta", "DecodeOptions", "EngineOptions", "GlmAsrConfig", "AudioError", "CheckpointError",
            "ConfigError", "TokenizerError", "EngineError", "EngineClosed", "RequestTimeoutError", "AudioWarning",
-           "Segment", "close_shared_model"]
+           "Segment", "close_shared_model", "errors"]
 __version__ = "0.1.0"

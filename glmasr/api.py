@@ -24,13 +24,14 @@ import numpy as np
 import torch
 
 from . import handle as _handle
-from .audio import Audio, AudioError, load_audio
-from .device import resolve_device, resolve_dtype, same_device
-from .engine.loop import RequestTimeoutError, check_timeout
+from .audio import Audio, load_audio
+from .models.device import resolve_device, resolve_dtype, same_device
+from .engine.loop import check_timeout
+from .errors import AudioError, RequestTimeoutError
 from .handle import GlmAsr
 from .options import DecodeOptions
 from .results import TranscriptDelta
-from .weights import DEFAULT_MODEL_ID, resolve_checkpoint
+from .checkpoint.weights import DEFAULT_MODEL_ID, resolve_checkpoint
 
 _AUDIO_TYPES = (str, os.PathLike, np.ndarray, torch.Tensor, Audio)
 

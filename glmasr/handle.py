@@ -22,18 +22,19 @@ from pathlib import Path
 import torch
 
 from .audio import Audio, load_audio
-from .config import GlmAsrConfig
-from .device import resolve_device, resolve_dtype
+from .models.config import GlmAsrConfig
+from .models.device import resolve_device, resolve_dtype
 from .engine.engine import Engine
-from .engine.loop import EngineClosed, EngineLoop, check_priority, check_timeout
+from .engine.loop import EngineLoop, check_priority, check_timeout
+from .errors import EngineClosed
 from .engine.model_runner import check_batch_invariance
 from .models.glmasr import GlmAsrModel
 from .options import DecodeOptions, EngineOptions
 from .pipeline import plan_audio, plan_pieces
 from .results import Transcription, TranscriptDelta
-from .tokenizer import PromptBuilder
+from .checkpoint.tokenizer import PromptBuilder
 from .transcript import TranscriptAssembler
-from .weights import DEFAULT_MODEL_ID, load_state_dict, read_config, resolve_checkpoint
+from .checkpoint.weights import DEFAULT_MODEL_ID, load_state_dict, read_config, resolve_checkpoint
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -260,7 +261,7 @@ class _DoneStream:
     finished = exhausted = True
 
     def __init__(self, assembler):
-        from .engine.engine import SequenceOutput
+        from .engine.request import SequenceOutput
 
         self._items = [SequenceOutput(-1, 0, [], None, None, True, {})] if not assembler.plans else []
 
@@ -425,7 +426,8 @@ def _prepare_frontend(cfg, dev: torch.device) -> str | None:
 
     from glmasr_kernels.logmel import is_available, prebuild
 
-    from .models.kernel_support import KernelFallbackWarning, kernel_support
+    from .errors import KernelFallbackWarning
+    from .models.kernel_support import kernel_support
 
     reason = kernel_support(cfg)["frontend"]
     if reason is not None:

@@ -6,6 +6,8 @@
   windows stay views into the caller's samples until they are encoded. ``plan_pieces``: one group per given
   piece of at most 30 s (the VAD's, or the caller's).
 - The engine encodes the groups (``engine/encode.py``: features, encoder + projector, prompt embeddings).
+- ``teacher_forced_logits``: our model's logits for forced tokens after an audio's prompt (the comparisons with
+  transformers in the tests and the device checks).
 - ``prepare_requests``: planning and encoding at once for a list of audios -> ``GenerationRequest``s (tests,
   the logits oracle, benchmarks that drive the engine below the request level).
 """
@@ -13,15 +15,15 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from .audio import Audio, AudioError, load_audio, split_windows
+from .audio import Audio, load_audio, split_windows
+from .errors import AudioError
 from .engine.encode import encode_groups
-from .engine.generate import GenerationRequest
-from .features import SAMPLE_RATE, frames_to_audio_tokens, min_samples_for_one_token, num_valid_frames
+from .engine.request import GenerationRequest, GroupPlan
+from .audio.features import SAMPLE_RATE, frames_to_audio_tokens, min_samples_for_one_token, num_valid_frames
+from .models.kv_cache import KVCache
 from .options import DecodeOptions
 
 # The reference processor keeps at most int(655 // 30) = 21 windows (630 s) per prompt.
@@ -34,26 +36,6 @@ DEFAULT_MIN_NEW_TOKENS = 32
 
 def default_max_new_tokens(seconds: float) -> int:
     return DEFAULT_MIN_NEW_TOKENS + math.ceil(DEFAULT_TOKENS_PER_SECOND * seconds)
-
-
-@dataclass
-class GroupPlan:
-    """One prompt: consecutive 30 s windows of one audio and its token budget."""
-
-    windows: list[np.ndarray] | None  # samples of each window (views); dropped once encoded
-    window_tokens: list[int]  # audio tokens each window yields (0: a tail too short to encode)
-    seconds: float
-    max_new_tokens: int
-    prompt_ids: list[int]
-    start_s: float = 0.0  # where its first window starts in the recording
-
-    @property
-    def audio_tokens(self) -> int:
-        return sum(self.window_tokens)
-
-    @property
-    def num_windows(self) -> int:
-        return len(self.window_tokens)
 
 
 def plan_groups(window_tokens: list[int], window_seconds: list[float], overhead: int, max_positions: int,
@@ -91,11 +73,11 @@ def check_duration(audio: Audio, merge_factor: int) -> None:
 def plan_audio(audio: Audio, prompts, config, decode: DecodeOptions, device=None) -> list[GroupPlan]:
     """The groups of one audio (see the module docstring); raises AudioError / ValueError naming the problem.
     ``decode.segmentation`` "windows": 30 s windows grouped like the reference processor (token-exact with
-    transformers); "vad": speech regions (Silero VAD, ``glmasr.vad``, on ``device``) merged into pieces of at
+    transformers); "vad": speech regions (Silero VAD, ``glmasr.audio.vad``, on ``device``) merged into pieces of at
     most 30 s, one prompt each, each with its true times."""
     check_duration(audio, config.merge_factor)
     if decode.segmentation == "vad":
-        from .vad import segment
+        from .audio.vad import segment
 
         return plan_pieces(audio, segment(audio.samples, max_s=30.0, device=device), prompts, config, decode)
     overhead = len(prompts.encode(1, decode.prompt)) - 1
@@ -143,3 +125,22 @@ def prepare_requests(asr, audios: list, decode: DecodeOptions | None = None, sam
         embeds, _ = encode_groups(asr.model, asr.frontend, plans, asr.options.encoder_chunk,
                                   asr.config.audio_token_id, asr.config.audio.num_mel_bins)
     return [GenerationRequest(e, p.max_new_tokens) for e, p in zip(embeds, plans)], plans
+
+
+@torch.inference_mode()
+def teacher_forced_logits(asr, audio, forced_ids: list[int], prompt: str | None = None,
+                          sampling_rate: int | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Logits (len(forced_ids) + 1, vocab), fp32, predicting each forced token and the one after it, for one
+    audio of at most one window group. Also returns the prompt ids."""
+    requests, plans = prepare_requests(asr, [audio], DecodeOptions(prompt=prompt), sampling_rate)
+    if len(requests) != 1:
+        raise ValueError("teacher forcing takes audio that fits one prompt (<= 630 s)")
+    prompt_embeds = requests[0].prompt_embeds
+    forced = torch.tensor(forced_ids, device=asr.device, dtype=torch.long)
+    embeds = torch.cat([prompt_embeds, asr.model.embed_tokens(forced)])[None]
+    total = embeds.shape[1]
+    cache = KVCache(asr.config.text, 1, total, asr.device, asr.dtype)
+    positions = torch.arange(total, device=asr.device)[None]
+    hidden = asr.model.decode(embeds, positions, cache, kv_len=total)
+    start = prompt_embeds.shape[0] - 1
+    return asr.model.logits(hidden[0, start:]), plans[0].prompt_ids

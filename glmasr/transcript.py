@@ -18,7 +18,7 @@ import time
 import zlib
 
 from .results import Segment, Transcription, TranscriptDelta
-from .tokenizer import IncrementalDetokenizer
+from .checkpoint.tokenizer import IncrementalDetokenizer
 
 
 def compression_ratio(text: str) -> float:

@@ -155,3 +155,40 @@ def render(result: Transcription, fmt: str) -> str:
     if fmt not in _WRITERS:
         raise ValueError(f"unknown output format {fmt!r}: use one of {', '.join(FORMATS)}")
     return _WRITERS[fmt](result)
+
+
+# ---- the OpenAI transcription API's response formats (the server's answers)
+OPENAI_FORMATS = {"json": "application/json", "text": "text/plain; charset=utf-8", "srt": "application/x-subrip",
+                  "vtt": "text/vtt", "verbose_json": "application/json"}
+
+
+def duration_usage(seconds: float) -> dict:
+    return {"type": "duration", "seconds": round(seconds, 3)}
+
+
+def verbose_segment(seg) -> dict:
+    """One ``glmasr.results.Segment`` as the OpenAI client's ``TranscriptionSegment``: ``seek`` is the start in
+    10 ms frames, ``temperature`` 0.0 (greedy), ``no_speech_prob`` 0.0 (not computed)."""
+    return {"id": seg.id, "seek": int(round(seg.start * 100)), "start": round(seg.start, 3), "end": round(seg.end, 3),
+            "text": seg.text, "tokens": list(seg.token_ids), "temperature": 0.0,
+            "avg_logprob": float(seg.avg_logprob),
+            "compression_ratio": float(seg.compression_ratio), "no_speech_prob": 0.0}
+
+
+def render_openai(result: Transcription, response_format: str, seconds: float, language: str | None = None
+                  ) -> tuple[str, str]:
+    """(body, media type) of the OpenAI API's ``response_format``: json ``{text, usage}``, text (the transcript,
+    raw), srt, vtt (this module's subtitles), verbose_json (duration, language, text, segments, usage)."""
+    if response_format not in OPENAI_FORMATS:
+        raise ValueError(f"unknown response_format {response_format!r}: use one of {', '.join(OPENAI_FORMATS)}")
+    if response_format == "json":
+        body = json.dumps({"text": result.text, "usage": duration_usage(seconds)}, ensure_ascii=False)
+    elif response_format == "text":
+        body = result.text
+    elif response_format in ("srt", "vtt"):
+        body = _WRITERS[response_format](result)
+    else:
+        body = json.dumps({"task": "transcribe", "language": language or "unknown", "duration": round(seconds, 3),
+                           "text": result.text, "segments": [verbose_segment(s) for s in result.segments],
+                           "usage": duration_usage(seconds)}, ensure_ascii=False)
+    return body, OPENAI_FORMATS[response_format]

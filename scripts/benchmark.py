@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 import glmasr
-from glmasr import cuda_graphs
+from glmasr.engine import cuda_graphs
 from glmasr.engine.model_runner import ModelRunner
 from glmasr.options import EngineOptions
-from glmasr.random_checkpoint import ensure_full_size_checkpoint
+from glmasr.checkpoint.random_weights import ensure_full_size_checkpoint
 from scripts.bench.triton_hooks import triton_compiles
 from scripts.bench.workloads import mixed_clips, noise_clip as clip
 
@@ -727,7 +727,7 @@ def main():
               "date": time.strftime("%Y-%m-%d"), "command": "bash benchmark.sh " + " ".join(sys.argv[1:])}
     report["peaks"] = peaks = measure_peaks()
     if args.smoke:
-        from glmasr.random_checkpoint import build_checkpoint
+        from glmasr.checkpoint.random_weights import build_checkpoint
 
         folder = out / "tiny-random"
         if not (folder / "model.safetensors").exists():

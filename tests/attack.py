@@ -33,7 +33,7 @@ from live_server import KEY, MODEL, ServerProcess, multipart, post_head, read_re
 
 MIB = 1024 * 1024
 # The bound on a request's peak host memory that README states: its upload + K x its decoded 16 kHz mono float32
-# samples (64 KB per second) + C. Decoding alone stays within upload + 3 x that + 6 MiB (glmasr/audio.py); the
+# samples (64 KB per second) + C. Decoding alone stays within upload + 3 x that + 6 MiB (glmasr/audio/decode.py); the
 # rest is the request's share of the engine's working set (features and encoder activations of its windows) and
 # what the allocator keeps of freed blocks, which the RSS measured here includes.
 BOUND_K = 4.0
@@ -278,7 +278,7 @@ class Attack:
 
 def run(out: Path | None, smoke: bool) -> dict:
     import glmasr
-    from glmasr.random_checkpoint import build_checkpoint
+    from glmasr.checkpoint.random_weights import build_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="glmasr-attack-"))
     folder = build_checkpoint(tmp / "tiny", size="tiny", layout="shipped", seed=0)

@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
 import pytest
 import torch
 
-from glmasr.random_checkpoint import build_checkpoint
+# The kernel tests' shared set-up. Without a GPU the Triton kernels run under Triton's interpreter; Triton reads
+# TRITON_INTERPRET when a kernel is defined, so it is set here, before anything imports glmasr_kernels.
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+gpu_only = pytest.mark.skipif(not CUDA, reason="real-shape test needs a CUDA GPU (too slow for the CPU interpreter)")
+
+
+def require_kernels():
+    """At a kernel test module's top: Triton installed, and a GPU or the interpreter (else the module skips)."""
+    pytest.importorskip("triton")
+    if not CUDA and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("no CUDA and TRITON_INTERPRET is off", allow_module_level=True)
+
+
+from glmasr.checkpoint.random_weights import build_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +47,27 @@ def hf_oracle(tiny_transformers):
     processor = AutoProcessor.from_pretrained(str(tiny_transformers))
     model = GlmAsrForConditionalGeneration.from_pretrained(str(tiny_transformers), dtype=torch.float32).eval()
     return processor, model
+
+
+@pytest.fixture(scope="module")
+def asr(tiny_shipped):
+    """The tiny checkpoint on the CPU with 8 sequence slots, one per test module (closed after it): the engine the
+    server tests serve and compare against."""
+    import glmasr
+
+    handle = glmasr.load(tiny_shipped, device="cpu", max_batch=8)
+    yield handle
+    handle.close()
+
+
+@pytest.fixture
+def hub_offline(monkeypatch, tmp_path):
+    """The Hugging Face hub offline with an empty cache: a hub id resolves to nothing."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
 
 
 @pytest.fixture(scope="session")

@@ -221,7 +221,8 @@ def test_transcribe_accepts_a_bf16_tensor(tiny_asr):
 import struct  # noqa: E402
 import warnings  # noqa: E402
 
-from glmasr import audio as audio_mod  # noqa: E402
+from glmasr.audio import decode as audio_mod  # noqa: E402
+from glmasr.audio import resampler as rs_mod  # noqa: E402
 from glmasr.audio import Audio, AudioWarning, read_file, resample  # noqa: E402
 
 
@@ -487,9 +488,9 @@ def test_containers_without_pyav_name_the_extra(tmp_path, monkeypatch):
 @pytest.fixture
 def small_blocks(monkeypatch):
     """The threaded paths on short test files: 'long' from 1 s, reads of 4096 frames, 3 threads."""
-    monkeypatch.setattr(audio_mod, "PARALLEL_MIN_S", 1.0)
-    monkeypatch.setattr(audio_mod, "READ_BLOCK_FRAMES", 4096)
-    monkeypatch.setattr(audio_mod, "AUDIO_THREADS", 3)
+    monkeypatch.setattr(rs_mod, "PARALLEL_MIN_S", 1.0)
+    monkeypatch.setattr(rs_mod, "READ_BLOCK_FRAMES", 4096)
+    monkeypatch.setattr(rs_mod, "AUDIO_THREADS", 3)
     calls = []
     original = audio_mod._sf_parallel
 
@@ -524,7 +525,7 @@ def test_threaded_decode_is_bit_equal(tmp_path, small_blocks, monkeypatch, fmt, 
     sf.write(path, x if channels > 1 else x[:, 0], rate, format=fmt, subtype=subtype)
     threaded = load_audio(path)
     assert small_blocks == [True]  # the threaded read ran and was used
-    monkeypatch.setattr(audio_mod, "AUDIO_THREADS", 1)
+    monkeypatch.setattr(rs_mod, "AUDIO_THREADS", 1)
     sequential = load_audio(path)
     assert small_blocks == [True]
     np.testing.assert_array_equal(threaded.samples, sequential.samples)
@@ -540,7 +541,7 @@ def test_threaded_decode_of_a_truncated_file_falls_back(tmp_path, small_blocks, 
     cut = _cut(full, tmp_path / "cut.flac", 0.6)
     a, msgs = _load_warned(cut)
     assert small_blocks == [False] and a.truncated and len(msgs) == 1
-    monkeypatch.setattr(audio_mod, "AUDIO_THREADS", 1)
+    monkeypatch.setattr(rs_mod, "AUDIO_THREADS", 1)
     b, _ = _load_warned(cut)
     np.testing.assert_array_equal(a.samples, b.samples)
 
@@ -549,7 +550,7 @@ def test_threaded_decode_of_a_truncated_file_falls_back(tmp_path, small_blocks, 
 def test_threaded_resample_within_float32_rounding(monkeypatch, rate, seconds):
     """Block resampling (``resample(..., threads=N)``, the default on hosts with >= 4 CPUs): same length as one soxr call and within 1e-6
     absolute of it (measured ~1e-7: float32 rounding inside soxr), on noise plus a tone, block edges included."""
-    monkeypatch.setattr(audio_mod, "PARALLEL_MIN_S", 1.0)
+    monkeypatch.setattr(rs_mod, "PARALLEL_MIN_S", 1.0)
     n = int(seconds * rate) + 7  # not a whole number of the rates' common period
     x = noise(n / rate, 41, rate=rate, scale=0.2)[:n] + tone(n / rate + 1, rate, 997.0)[:n]
     one = resample(x, rate, threads=1)
@@ -572,7 +573,7 @@ def test_channel_mix_is_numpys_float64_mean_bit_for_bit(monkeypatch, channels):
     """The block-wise mono mix (channel after channel into one float64 accumulator below 8 channels) gives the
     bits of ``mean(axis, dtype=float64)``, for arrays in both orientations and across block edges, on values
     spanning many magnitudes."""
-    monkeypatch.setattr(audio_mod, "READ_BLOCK_FRAMES", 1000)
+    monkeypatch.setattr(rs_mod, "READ_BLOCK_FRAMES", 1000)
     rng = np.random.default_rng(channels)
     x = (rng.standard_normal((5001, channels)) * np.logspace(-7, 0, channels)).astype(np.float32)
     x[::5, 0] *= np.float32(1e-30)
@@ -649,10 +650,10 @@ def test_bytes_take_the_threaded_path_too(tmp_path, small_blocks, monkeypatch):
     path = _sf_file(tmp_path / "long.flac", 12.0, "FLAC", "PCM_16", 16000, 2)
     threaded = decode_audio_bytes(path.read_bytes())
     assert small_blocks == [True]
-    monkeypatch.setattr(audio_mod, "AUDIO_THREADS", 1)
+    monkeypatch.setattr(rs_mod, "AUDIO_THREADS", 1)
     _assert_same_audio(threaded, load_audio(path))
     # a limit the audio is under keeps the threaded path and its samples
-    monkeypatch.setattr(audio_mod, "AUDIO_THREADS", 3)
+    monkeypatch.setattr(rs_mod, "AUDIO_THREADS", 3)
     _assert_same_audio(decode_audio_bytes(path.read_bytes(), max_duration_s=12.0), threaded)
     assert small_blocks == [True, True]
 
@@ -811,7 +812,7 @@ def test_audio_module_does_not_import_the_server():
 def test_default_resampling_threads_follow_the_host(monkeypatch):
     """Long audio is resampled on threads by default where at least RESAMPLE_MIN_CPUS are usable, else in one
     soxr call; the output is the same within float32 rounding either way."""
-    from glmasr import audio as A
+    from glmasr.audio import resampler as A
 
     monkeypatch.setattr(A, "AUDIO_THREADS", 2)
     assert A._resample_threads() == 1

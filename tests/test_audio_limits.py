@@ -1,5 +1,5 @@
 """Decoding limits: what a file or upload can make the decoder allocate (sample rate, channels, samples: held to
-the bound that glmasr/audio.py's docstring states), files that declare no length, malformed headers, and decoding
+the bound that glmasr/audio/decode.py's docstring states), files that declare no length, malformed headers, and decoding
 a file object in place."""
 
 import io
@@ -16,7 +16,8 @@ import pytest
 import soundfile as sf
 import soxr
 
-from glmasr import audio as audio_mod
+from glmasr.audio import decode as audio_mod
+from glmasr.audio import resampler as rs_mod
 from glmasr.audio import (Audio, AudioDecodeError, AudioTooLongError, AudioWarning, InvalidAudioError,
                           TruncatedAudioError, UnsupportedAudioError, decode_audio_bytes, decode_audio_file,
                           load_audio)
@@ -274,8 +275,8 @@ def test_flac_with_no_length_in_streaminfo(monkeypatch, frames, rate, channels):
     a = decode_audio_bytes(patched, allow_truncated=False)
     np.testing.assert_array_equal(a.samples, ref.samples)
     assert not a.truncated and a.expected_duration_s is None
-    monkeypatch.setattr(audio_mod, "PARALLEL_MIN_S", 0.1)
-    monkeypatch.setattr(audio_mod, "AUDIO_THREADS", 3)
+    monkeypatch.setattr(rs_mod, "PARALLEL_MIN_S", 0.1)
+    monkeypatch.setattr(rs_mod, "AUDIO_THREADS", 3)
     np.testing.assert_array_equal(decode_audio_bytes(patched, max_duration_s=60).samples, ref.samples)
     with pytest.raises(AudioTooLongError) as e:  # counted while decoding: no header to refuse it from
         decode_audio_bytes(patched, max_duration_s=frames / rate / 2)
@@ -408,8 +409,8 @@ def test_decode_audio_file_equals_the_bytes(tmp_path, spool):
 
 def test_decode_audio_file_threads_and_containers(monkeypatch):
     """The threaded decode reads a file object through one handle per thread; PyAV reads it as well."""
-    monkeypatch.setattr(audio_mod, "PARALLEL_MIN_S", 1.0)
-    monkeypatch.setattr(audio_mod, "AUDIO_THREADS", 3)
+    monkeypatch.setattr(rs_mod, "PARALLEL_MIN_S", 1.0)
+    monkeypatch.setattr(rs_mod, "AUDIO_THREADS", 3)
     calls = []
     original = audio_mod._sf_parallel
     monkeypatch.setattr(audio_mod, "_sf_parallel", lambda *a, **k: calls.append(1) or original(*a, **k))

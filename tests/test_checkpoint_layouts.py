@@ -20,9 +20,9 @@ import torch
 from safetensors import safe_open
 
 import glmasr
-from glmasr.oracle import teacher_forced_logits
-from glmasr.random_checkpoint import CHAT_TEMPLATE, build_tokenizer, make_config
-from glmasr.weights import canonical_name
+from glmasr.pipeline import teacher_forced_logits
+from glmasr.checkpoint.random_weights import CHAT_TEMPLATE, build_tokenizer, make_config
+from glmasr.checkpoint.weights import canonical_name
 
 from conftest import noise
 from test_end_to_end import assert_same_greedy_tokens, hf_generate

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 
 import glmasr
-from glmasr import cli, random_checkpoint, resources
-from glmasr.weights import CheckpointError, resolve_checkpoint
+from glmasr import cli
+from glmasr.checkpoint import random_weights as random_checkpoint, resources
+from glmasr.cli import common
+from glmasr.checkpoint.weights import CheckpointError, resolve_checkpoint
 
 from conftest import noise
 
@@ -56,14 +58,14 @@ def test_local_weights_next_to_the_checkout_then_in_the_working_directory(monkey
         assert cands[0] == REPO / "weights" / "GLM-ASR-Nano-2512"
     if any((c / "config.json").exists() for c in cands[:-1]):
         pytest.skip("real weights next to the checkout take precedence")
-    from glmasr.weights import DEFAULT_MODEL_ID
+    from glmasr.checkpoint.weights import DEFAULT_MODEL_ID
 
-    assert cli._pick_model(None) == DEFAULT_MODEL_ID
+    assert common.pick_model(None) == DEFAULT_MODEL_ID
     local = tmp_path / "weights" / "GLM-ASR-Nano-2512"
     local.mkdir(parents=True)
     (local / "config.json").write_text("{}")
-    assert Path(cli._pick_model(None)) == local
-    assert cli._pick_model("some/hub-id") == "some/hub-id"
+    assert Path(common.pick_model(None)) == local
+    assert common.pick_model("some/hub-id") == "some/hub-id"
 
 
 def test_tiny_random_is_built_into_the_cache_once(monkeypatch, tmp_path):
@@ -82,13 +84,13 @@ def test_tiny_random_is_built_into_the_cache_once(monkeypatch, tmp_path):
     assert len(builds) == 1 and builds[0] != folder  # built aside, then renamed into place
     assert sorted(p.name for p in folder.parent.iterdir()) == ["tiny-random"]  # no leftovers
 
-    assert Path(cli._pick_model("tiny-random")) == folder and len(builds) == 1  # reused
+    assert Path(common.pick_model("tiny-random")) == folder and len(builds) == 1  # reused
 
     stamp = folder / "glmasr-random-checkpoint.json"
     stale = json.loads(stamp.read_text())
     stale["config_sha256"] = "0" * 64
     stamp.write_text(json.dumps(stale))
-    assert Path(cli._pick_model("tiny-random")) == folder and len(builds) == 2  # stale: rebuilt
+    assert Path(common.pick_model("tiny-random")) == folder and len(builds) == 2  # stale: rebuilt
     assert json.loads(stamp.read_text())["config_sha256"] != "0" * 64
     asr = glmasr.load("tiny-random", device="cpu")  # the Python API takes the name the CLI takes
     assert asr.folder == folder and len(builds) == 2
@@ -102,18 +104,13 @@ def test_tiny_random_cache_not_writable(monkeypatch, tmp_path):
     blocker.write_text("")
     monkeypatch.setenv("GLMASR_CACHE_DIR", str(blocker / "sub"))  # a folder under a file: cannot be created
     with pytest.raises(CheckpointError, match="GLMASR_CACHE_DIR"):
-        cli._pick_model("tiny-random")
+        common.pick_model("tiny-random")
     with pytest.raises(CheckpointError, match="GLMASR_CACHE_DIR"):
         glmasr.load("tiny-random", device="cpu")
 
 
-def test_offline_hint_names_commands_that_exist(monkeypatch, tmp_path):
+def test_offline_hint_names_commands_that_exist(hub_offline):
     """Current huggingface_hub installs `hf`, not `huggingface-cli`; a wheel user has `glmasr`, not demo.py."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    import huggingface_hub.constants as c
-
-    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
     with pytest.raises(CheckpointError) as e:
         resolve_checkpoint("someone/not-cached-model")
     text = str(e.value)
@@ -157,8 +154,8 @@ def test_checkout_on_pythonpath_only(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO), *rest])
     code = textwrap.dedent(f"""
         import os, glmasr, glmasr_kernels.logmel.mel_filters as mf
-        from glmasr import resources
-        from glmasr.random_checkpoint import config_path
+        from glmasr.checkpoint import resources
+        from glmasr.checkpoint.random_weights import config_path
         repo = {str(REPO)!r}
         assert os.path.dirname(os.path.dirname(glmasr.__file__)) == repo, glmasr.__file__
         assert os.path.realpath(mf.__file__).startswith(os.path.join(repo, "kernels") + os.sep), mf.__file__

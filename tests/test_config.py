@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from glmasr.config import ConfigError, GlmAsrConfig
-from glmasr.random_checkpoint import config_path
+from glmasr.models.config import ConfigError, GlmAsrConfig
+from glmasr.checkpoint.random_weights import config_path
 
 
 def test_real_config_parses_with_spec_values():

@@ -20,25 +20,18 @@ Tolerances (elementwise, torch.testing.assert_close), as in tests/test_triton_ke
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from conftest import CUDA, DEV, gpu_only, require_kernels  # noqa: E402 - sets TRITON_INTERPRET without a GPU
 
-triton = pytest.importorskip("triton")
+require_kernels()
 
 from glmasr_kernels.encoder_attention import (  # noqa: E402
     CONFIG, AttnConfig, default_config, encoder_attention, encoder_attention_ref)
 from glmasr_kernels.rope import build_rope_cache, rope_, rope_ref  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-if not CUDA and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-    pytest.skip("no CUDA and TRITON_INTERPRET is off", allow_module_level=True)
-gpu_only = pytest.mark.skipif(not CUDA, reason="real-shape test needs a CUDA GPU (too slow for the CPU interpreter)")
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=1e-2)}
 # small tiles so that T = 37 / 70 have several query blocks, full key tiles and a key tail

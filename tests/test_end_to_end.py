@@ -145,7 +145,7 @@ def test_transcribe_accepts_paths_and_model_folders(tiny_shipped, tmp_path):
 def test_demo_runs_offline_with_tiny_random(tmp_path, monkeypatch):
     from glmasr import cli
 
-    monkeypatch.setattr(cli, "TINY_RANDOM", tmp_path / "tiny-random")
+    monkeypatch.setattr(cli.common, "TINY_RANDOM", tmp_path / "tiny-random")
     assert cli.main(["--model", "tiny-random", "--device", "cpu", "--max-new-tokens", "4"]) == 0
     assert (tmp_path / "tiny-random" / "model.safetensors").exists()
 
@@ -157,7 +157,7 @@ def test_demo_without_weights_or_network_exits_nonzero(monkeypatch, tmp_path, ca
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     import huggingface_hub.constants as c
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(cli, "LOCAL_WEIGHTS", tmp_path / "none")
+    monkeypatch.setattr(cli.common, "LOCAL_WEIGHTS", tmp_path / "none")
     assert cli.main(["--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "--model /path/to/GLM-ASR-Nano-2512" in err and "--model tiny-random" in err
@@ -176,7 +176,7 @@ def test_cuda_fp32_reference_path_tokens_equal_cpu(tiny_shipped):
 def test_teacher_forced_logits_match_transformers(tiny_asr, hf_oracle):
     """fp32 logits over a 3.5 s prompt plus 10 forced tokens: same function, so differences are rounding
     (observed ~1e-7); 1e-5 relative to the largest logit leaves room for BLAS order."""
-    from glmasr.oracle import teacher_forced_logits
+    from glmasr.pipeline import teacher_forced_logits
 
     processor, model = hf_oracle
     audio = noise(3.5, 77)

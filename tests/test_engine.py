@@ -10,7 +10,8 @@ import torch
 
 import glmasr
 from glmasr.engine.engine import Engine
-from glmasr.engine.generate import GenerationRequest, greedy_generate
+from glmasr.engine.generate import greedy_generate
+from glmasr.engine.request import GenerationRequest
 from glmasr.engine.model_runner import ModelRunner
 from glmasr.options import DecodeOptions
 from glmasr.pipeline import prepare_requests

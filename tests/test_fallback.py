@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import glmasr
-from glmasr.config import AudioEncoderConfig, GlmAsrConfig, TextDecoderConfig
-from glmasr.random_checkpoint import CHAT_TEMPLATE, build_tokenizer, make_config
+from glmasr.models.config import AudioEncoderConfig, GlmAsrConfig, TextDecoderConfig
+from glmasr.checkpoint.random_weights import CHAT_TEMPLATE, build_tokenizer, make_config
 
 from conftest import noise
 
@@ -39,7 +39,7 @@ def config(audio=None, text=None) -> GlmAsrConfig:
 
 
 def test_real_and_tiny_configs_are_fully_supported(tiny_shipped):
-    from glmasr.random_checkpoint import config_path
+    from glmasr.checkpoint.random_weights import config_path
 
     for cfg in (GlmAsrConfig.from_json_file(config_path("glm-asr-nano-2512")), config(),
                 GlmAsrConfig.from_json_file(tiny_shipped / "config.json")):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import glmasr
-from glmasr.oracle import teacher_forced_logits
+from glmasr.pipeline import teacher_forced_logits
 
 from conftest import noise
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from glmasr.audio import split_windows
-from glmasr.features import (frames_to_audio_tokens, log_mel_windows, mel_filter_bank_np, min_samples_for_one_token,
+from glmasr.audio.features import (frames_to_audio_tokens, log_mel_windows, mel_filter_bank_np, min_samples_for_one_token,
                              num_valid_frames, whisper_features)
 
 from conftest import noise

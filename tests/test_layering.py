@@ -3,14 +3,16 @@
 - the kernels (``kernels/``, installed as ``glmasr_kernels``) never import the ``glmasr`` package: the package
   may import the kernels, not the other way round;
 - the models (``glmasr/models/``) never import the engine (``glmasr.engine``), nor the CUDA-graph helper
-  (``glmasr.cuda_graphs``): a model is graph-free, the engine's runner holds every graph;
-- the engine (``glmasr/engine/``) imports only itself, the models, the kernels and the helpers below it
-  (``ENGINE_MAY_IMPORT``): never ``glmasr.pipeline`` or anything above the engine (the handle, the API, the
-  server, ...);
+  (``glmasr.engine.cuda_graphs``): a model is graph-free, the engine's runner holds every graph;
+- the engine (``glmasr/engine/``) imports only itself, the models, the kernels, the errors and the log-mel
+  reference (``ENGINE_MAY_IMPORT``): never ``glmasr.pipeline`` or anything above the engine (the handle, the API,
+  the server, ...);
+- the package's rooms (``RANKS``) import only downward, and no module imports itself back through others (no
+  import cycle, lazy imports inside functions included);
 - the runner (``engine/model_runner.py``) and the encode stage (``engine/encode.py``) use a model only through
   the declared interface (``models/interface.py``): no other attribute, no getattr / hasattr probing;
 
-and ``import glmasr.features`` works, and stays light, on a machine without CUDA, Triton or cuda-bindings.
+and ``import glmasr.audio.features`` works, and stays light, on a machine without CUDA, Triton or cuda-bindings.
 """
 
 from __future__ import annotations
@@ -32,8 +34,12 @@ REPO = Path(__file__).resolve().parent.parent
 KNOWN_KERNEL_EXCEPTIONS: set[str] = set()
 KNOWN_MODEL_EXCEPTIONS: set[tuple[str, str]] = set()
 # What glmasr/engine/ may import from the package besides itself and glmasr.models: the helpers below the engine.
-ENGINE_MAY_IMPORT = ("glmasr.engine", "glmasr.models", "glmasr.config", "glmasr.cuda_graphs", "glmasr.device",
-                     "glmasr.features", "glmasr.options", "glmasr.repetition")
+ENGINE_MAY_IMPORT = ("glmasr.engine", "glmasr.models", "glmasr.errors", "glmasr.audio.features")
+# The package's rooms, bottom to top: a module may import its own room and rooms of a lower rank only (GUIDE.md's
+# picture: entry points -> handle -> pipeline -> engine -> models -> kernels, with errors under everything).
+RANKS = {"errors": 0, "models": 1, "audio": 2, "checkpoint": 2, "engine": 3, "options": 4, "results": 4,
+         "writers": 5, "transcript": 5, "pipeline": 5, "handle": 6, "api": 7, "__init__": 8, "workers": 9,
+         "integrations": 9, "server": 10, "cli": 11}
 
 
 def _imports(path: Path, package: str) -> list[tuple[int, str]]:
@@ -79,10 +85,10 @@ def _package_of(path: Path, root: Path, root_package: str) -> str:
 def test_import_scanner_resolves_relative_imports(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("from ..engine import kv_cache\nfrom . import layers\nimport glmasr.engine.engine as e\n"
-                 "def g():\n    from ...glmasr import x\n    importlib.import_module('glmasr.features')\n")
+                 "def g():\n    from ...glmasr import x\n    importlib.import_module('glmasr.audio.features')\n")
     got = {m for _, m in _imports(f, "glmasr.models")}
     assert got == {"glmasr.engine.kv_cache", "glmasr.models.layers", "glmasr.engine.engine", "glmasr.x",
-                   "glmasr.features"}
+                   "glmasr.audio.features"}
     assert _package_of(REPO / "kernels" / "logmel" / "_runtime.py", REPO / "kernels", "glmasr_kernels") \
         == "glmasr_kernels.logmel"
     assert _package_of(REPO / "kernels" / "logmel" / "__init__.py", REPO / "kernels", "glmasr_kernels") \
@@ -103,6 +109,80 @@ def test_kernels_do_not_import_the_glmasr_package():
     assert not bad, "kernels must not import the glmasr package (it imports them):\n" + "\n".join(bad)
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """module -> the package's modules it imports (anywhere in it: lazy imports count), packages as their
+    ``__init__``."""
+    root = REPO / "glmasr"
+    mods = {}
+    for p in root.rglob("*.py"):
+        pkg = _package_of(p, root, "glmasr")
+        mods[pkg if p.name == "__init__.py" else f"{pkg}.{p.stem}"] = p
+    graph = {}
+    for name, p in mods.items():
+        deps = set()
+        for _, m in _imports(p, _package_of(p, root, "glmasr")):
+            parts = m.split(".")
+            for k in range(len(parts), 0, -1):  # the longest prefix that is a module of the package
+                if ".".join(parts[:k]) in mods:
+                    deps.add(".".join(parts[:k]))
+                    break
+        graph[name] = deps - {name}
+    return graph
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _check_cycles() -> None:
+    graph = _module_graph()
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+
+    def visit(v, path):
+        state[v] = 1
+        for w in sorted(graph[v]):
+            if state.get(w) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(w):] + [w]))
+            if w not in state:
+                visit(w, path + [w])
+        state[v] = 2
+
+    for v in sorted(graph):
+        if v not in state:
+            visit(v, [v])
+
+
+def test_no_import_cycles():
+    assert len(_module_graph()) > 40, "the scanner found too few modules"
+    _check_cycles()
+
+
+def _upward_imports() -> list[str]:
+    return sorted(f"{a} ({_room(a)}) imports {b} ({_room(b)})" for a, deps in _module_graph().items() for b in deps
+                  if _room(a) != _room(b) and RANKS[_room(b)] >= RANKS[_room(a)])
+
+
+def test_rooms_import_only_downward():
+    assert set(RANKS) >= {_room(m) for m in _module_graph()}, "a room of glmasr/ has no rank in RANKS"
+    bad = _upward_imports()
+    assert not bad, "imports that run up or sideways between rooms:\n" + "\n".join(bad)
+
+
+def test_the_layering_scanner_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
+    pkg = tmp_path / "glmasr"
+    (pkg / "engine").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine" / "__init__.py").write_text("")
+    (pkg / "engine" / "a.py").write_text("def f():\n    from ..handle import x\n")
+    (pkg / "handle.py").write_text("from .engine.a import y\n")
+    monkeypatch.setitem(globals(), "REPO", tmp_path)
+    assert _module_graph()["glmasr.engine.a"] == {"glmasr.handle"}
+    with pytest.raises(AssertionError, match="import cycle"):
+        _check_cycles()
+    assert _upward_imports() == ["glmasr.engine.a (engine) imports glmasr.handle (handle)"]
+
+
 def test_models_do_not_import_the_engine_or_the_graph_helper():
     root = REPO / "glmasr" / "models"
     files = sorted(root.rglob("*.py"))
@@ -113,9 +193,9 @@ def test_models_do_not_import_the_engine_or_the_graph_helper():
         pkg = _package_of(path, REPO / "glmasr", "glmasr")
         for line, mod in _imports(path, pkg):
             known = any(rel == f and _is_under(mod, m) for f, m in KNOWN_MODEL_EXCEPTIONS)
-            if (_is_under(mod, "glmasr.engine") or _is_under(mod, "glmasr.cuda_graphs")) and not known:
+            if (_is_under(mod, "glmasr.engine") or _is_under(mod, "glmasr.engine.cuda_graphs")) and not known:
                 bad.append(f"{rel}:{line} imports {mod}")
-    assert not bad, "glmasr/models must not import glmasr.engine or glmasr.cuda_graphs:\n" + "\n".join(bad)
+    assert not bad, "glmasr/models must not import glmasr.engine or glmasr.engine.cuda_graphs:\n" + "\n".join(bad)
 
 
 def test_engine_imports_nothing_above_it():
@@ -192,7 +272,7 @@ def test_both_models_satisfy_the_interface(tiny_shipped):
 
 
 def test_features_import_without_cuda_and_stays_light():
-    """``import glmasr.features`` with triton, cuda-bindings and the nvidia wheels made unimportable (a machine
+    """``import glmasr.audio.features`` with triton, cuda-bindings and the nvidia wheels made unimportable (a machine
     without CUDA), and without loading the CUDA frontend's runtime or build modules."""
     code = textwrap.dedent("""
         import sys
@@ -203,7 +283,7 @@ def test_features_import_without_cuda_and_stays_light():
                     raise ImportError("blocked for the test: " + name)
 
         sys.meta_path.insert(0, Block())
-        import glmasr.features as f
+        import glmasr.audio.features as f
         assert f.mel_filter_bank_np(201, 80).shape == (201, 80)
         heavy = [m for m in sys.modules if m.split(".")[0] in ("triton", "cuda", "nvidia")
                  or m in ("glmasr_kernels.logmel._runtime", "glmasr_kernels.logmel._build")]
@@ -216,7 +296,7 @@ def test_features_import_without_cuda_and_stays_light():
 
 
 def test_mel_filter_bank_is_defined_once():
-    from glmasr import features
+    from glmasr.audio import features
     from glmasr_kernels.logmel import mel_filters
 
     assert features.mel_filter_bank_np is mel_filters.mel_filter_bank_np

@@ -18,7 +18,7 @@ import torch
 
 import glmasr
 from glmasr.results import Segment
-from glmasr.server.protocol import verbose_segment
+from glmasr.writers import verbose_segment
 from glmasr.writers import render
 
 from conftest import noise
@@ -96,7 +96,7 @@ def test_stop_token_is_not_counted(stopping, hf_oracle):
 
 def group_logits(asr, prompt_embeds, forced):
     """Our model's fp32 teacher-forced logits predicting each forced token after an embedded prompt (what
-    glmasr.oracle.teacher_forced_logits does for one prompt of the default budget)."""
+    glmasr.pipeline.teacher_forced_logits does for one prompt of the default budget)."""
     from glmasr.models.kv_cache import KVCache
 
     with torch.inference_mode():

@@ -13,23 +13,16 @@ the atol term matters as much as the rtol one.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from conftest import DEV, gpu_only, require_kernels  # noqa: E402 - sets TRITON_INTERPRET without a GPU
 
-pytest.importorskip("triton")
+require_kernels()
 
 from glmasr_kernels.lstm_cell import lstm_sequence, lstm_sequence_ref, lstm_step, lstm_step_ref  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-if not CUDA and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-    pytest.skip("no CUDA and TRITON_INTERPRET is off", allow_module_level=True)
-gpu_only = pytest.mark.skipif(not CUDA, reason="real-shape test needs a CUDA GPU (too slow for the CPU interpreter)")
 TOL = dict(rtol=1e-5, atol=1e-5)
 H = 128
 

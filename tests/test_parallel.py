@@ -1,4 +1,4 @@
-"""glmasr.parallel: one engine process per device (two CPU workers here), files handed out as workers have room,
+"""glmasr.workers: one engine process per device (two CPU workers here), files handed out as workers have room,
 results identical to one process, a crashed worker's files retried elsewhere, a file that kills every worker
 reported failed. Every wait is bounded (``_bounded``)."""
 
@@ -11,7 +11,7 @@ import soundfile as sf
 
 import glmasr
 from glmasr import cli
-from glmasr.parallel import DevicePool, WorkerStartError, parse_devices, transcribe_files
+from glmasr.workers import DevicePool, WorkerStartError, parse_devices, transcribe_files
 
 from conftest import bounded, noise
 

@@ -3,7 +3,7 @@
 import pytest
 
 import glmasr
-from glmasr.repetition import MIN_SPAN, is_stuck
+from glmasr.engine.repetition import MIN_SPAN, is_stuck
 from glmasr.transcript import compression_ratio
 
 from conftest import noise

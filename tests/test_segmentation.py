@@ -88,3 +88,28 @@ def test_truncated_file_is_flagged_on_the_result(tiny_asr, tmp_path):
     assert r.truncated and r.missing_s == pytest.approx(4.0, abs=0.01) and r.duration_s == pytest.approx(2.0)
     whole = glmasr.transcribe(noise(2.0, 3), model=tiny_asr, sampling_rate=16000, max_new_tokens=3)
     assert not whole.truncated and whole.missing_s == 0.0
+
+
+def test_plan_groups_packs_windows_like_the_reference():
+    """The prompt grouping token parity depends on (the reference processor puts up to 21 windows in one prompt;
+    we never drop audio, so windows past what fits the context start the next prompt). Real sizes: 375 audio tokens
+    per full 30 s window, a 15-token prompt overhead, 8192 positions, the default budget 32 + ceil(6 s)."""
+    from glmasr.pipeline import MAX_WINDOWS_PER_PROMPT, default_max_new_tokens, plan_groups
+
+    assert MAX_WINDOWS_PER_PROMPT == 21 and default_max_new_tokens(30.0) == 212
+    # one full window and a 10 s tail: one prompt, its budget from the whole duration
+    assert plan_groups([375, 125], [30.0, 10.0], 15, 8192, None) == [([0, 1], default_max_new_tokens(40.0))]
+    # 40 full windows with the default budget: each group ends where the next window + its grown budget would pass
+    # 8192 positions (15 + 375 k + 32 + ceil(180 k) <= 8192 -> k = 14)
+    groups = plan_groups([375] * 40, [30.0] * 40, 15, 8192, None)
+    assert [len(g) for g, _ in groups] == [14, 14, 12]
+    assert [i for g, _ in groups for i in g] == list(range(40))  # every window once, in order
+    assert all(15 + 375 * len(g) + b <= 8192 for g, b in groups)
+    # a fixed small budget: the 21-window cap binds first
+    groups = plan_groups([375] * 45, [30.0] * 45, 15, 8192, 16)
+    assert [len(g) for g, _ in groups] == [21, 21, 3] and {b for _, b in groups} == {16}
+    # a window that yields no token (a tail under 60 ms) still belongs to its group
+    assert plan_groups([375, 0], [30.0, 0.05], 15, 8192, None) == [([0, 1], default_max_new_tokens(30.05))]
+    # a budget that leaves no room for one window is refused, naming it
+    with pytest.raises(ValueError, match="max_new_tokens=8000 leaves no room"):
+        plan_groups([375], [30.0], 15, 8192, 8000)

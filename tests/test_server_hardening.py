@@ -21,7 +21,6 @@ pytest.importorskip("multipart")
 openai = pytest.importorskip("openai")
 from starlette.testclient import TestClient  # noqa: E402
 
-import glmasr  # noqa: E402
 from glmasr.server import ServerConfig, create_app  # noqa: E402
 from glmasr.server.app import served_names  # noqa: E402
 
@@ -42,13 +41,6 @@ def envelope(raw_body: bytes) -> dict:
     err = json.loads(raw_body)["error"]
     assert set(err) == ENVELOPE, err
     return err
-
-
-@pytest.fixture(scope="module")
-def asr(tiny_shipped):
-    handle = glmasr.load(tiny_shipped, device="cpu", max_batch=8)
-    yield handle
-    handle.close()
 
 
 @pytest.fixture(scope="module")

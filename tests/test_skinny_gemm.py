@@ -20,26 +20,19 @@ On the GPU (round to nearest), the plain GEMM must match the reference bit-for-b
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from conftest import DEV, gpu_only, require_kernels  # noqa: E402 - sets TRITON_INTERPRET without a GPU
 
-triton = pytest.importorskip("triton")
+require_kernels()
 
 from glmasr_kernels.skinny_gemm import (  # noqa: E402
     CONFIGS, invariant_config, kernel_config, linear_invariant, linear_swiglu_invariant,
     MAX_M, SkinnyConfig, linear, linear_swiglu, select, skinny_gemm, skinny_gemm_ref, skinny_gemm_swiglu,
     skinny_gemm_swiglu_ref)
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-if not CUDA and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-    pytest.skip("no CUDA and TRITON_INTERPRET is off", allow_module_level=True)
-gpu_only = pytest.mark.skipif(not CUDA, reason="real decoder shapes need a CUDA GPU (too slow for the CPU interpreter)")
 BF = torch.bfloat16
 RTOL, ATOL, NORM = 1.6e-2, 1e-2, 1e-2
 RTOL_SW, NORM_SW = 3.2e-2, 2e-2

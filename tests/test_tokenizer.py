@@ -2,8 +2,8 @@
 
 import pytest
 
-from glmasr.random_checkpoint import CHAT_TEMPLATE, build_tokenizer
-from glmasr.tokenizer import PromptBuilder, TokenizerError
+from glmasr.checkpoint.random_weights import CHAT_TEMPLATE, build_tokenizer
+from glmasr.checkpoint.tokenizer import PromptBuilder, TokenizerError
 
 from conftest import noise
 
@@ -80,7 +80,7 @@ def test_tokenizers_backend_equals_transformers(tiny_shipped, tiny_transformers)
     AutoTokenizer's ids for every prompt and its text for random token sequences, special ids included."""
     import random
 
-    from glmasr.tokenizer import TokenizersAdapter
+    from glmasr.checkpoint.tokenizer import TokenizersAdapter
 
     for folder in _folders(tiny_shipped, tiny_transformers):
         fast = PromptBuilder.from_folder(folder, 263)
@@ -99,7 +99,7 @@ def test_tokenizer_settings_transformers_applies_use_transformers(tiny_shipped, 
     import json
     import shutil
 
-    from glmasr.tokenizer import TokenizersAdapter
+    from glmasr.checkpoint.tokenizer import TokenizersAdapter
 
     folder = tmp_path / "cleanup"
     shutil.copytree(tiny_shipped, folder)

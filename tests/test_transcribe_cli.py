@@ -18,8 +18,10 @@ import pytest
 import soundfile as sf
 
 import glmasr
-from glmasr import cli, transcribe_cli, vad
-from glmasr.tokenizer import DEFAULT_PROMPT, build_instruction
+from glmasr import cli
+from glmasr.audio import vad
+from glmasr.cli import transcribe as transcribe_cli
+from glmasr.checkpoint.tokenizer import DEFAULT_PROMPT, build_instruction
 from glmasr.writers import render
 
 from conftest import noise
@@ -322,7 +324,7 @@ def test_status_line_on_a_terminal_from_the_start():
 # ---- Ctrl-C, in real processes ----
 _CHILD = r"""
 import os, sys, time
-import glmasr.vad as vad
+import glmasr.audio.vad as vad
 
 real = vad.segment
 mode = os.environ["GLMASR_TEST_MODE"]

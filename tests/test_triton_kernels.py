@@ -23,16 +23,14 @@ Tolerances (elementwise, torch.testing.assert_close):
 from __future__ import annotations
 
 import math
-import os
 import zlib
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from conftest import CUDA, DEV, gpu_only, require_kernels  # noqa: E402 - sets TRITON_INTERPRET without a GPU
 
-triton = pytest.importorskip("triton")
+require_kernels()
 
 from glmasr_kernels.activations import gelu_bias, gelu_bias_ref, swiglu, swiglu_ref  # noqa: E402
 from glmasr_kernels.greedy_commit import greedy_commit, greedy_commit_ref  # noqa: E402
@@ -42,11 +40,6 @@ from glmasr_kernels.layernorm import layer_norm, layer_norm_ref  # noqa: E402
 from glmasr_kernels.rmsnorm import rms_norm, rms_norm_ref  # noqa: E402
 from glmasr_kernels.rope import build_rope_cache, rope_, rope_and_append, rope_and_append_ref, rope_ref  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-if not CUDA and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-    pytest.skip("no CUDA and TRITON_INTERPRET is off", allow_module_level=True)
-gpu_only = pytest.mark.skipif(not CUDA, reason="real-shape test needs a CUDA GPU (too slow for the CPU interpreter)")
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=1e-2)}
 

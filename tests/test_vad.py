@@ -1,4 +1,4 @@
-"""Voice-activity detection (glmasr/vad.py): our PyTorch Silero VAD against the shipped ONNX model run by
+"""Voice-activity detection (glmasr/audio/vad.py): our PyTorch Silero VAD against the shipped ONNX model run by
 onnxruntime, speech regions on speech synthesized with espeak-ng (resampled to 16 kHz with sox) placed at known
 offsets into low noise, batched streams against one stream, merging into <= 30 s pieces, the missing-wheel error.
 
@@ -26,7 +26,7 @@ try:
 except Exception:  # pragma: no cover - the test extra installs it
     pytest.skip("the silero-vad wheel is not installed (pip install glmasr[vad])", allow_module_level=True)
 
-from glmasr import vad  # noqa: E402
+from glmasr.audio import vad  # noqa: E402
 
 SR = 16000
 NOISE = 0.003  # low background noise (~ -50 dBFS)
@@ -342,7 +342,7 @@ def test_missing_wheel_names_the_extra(monkeypatch):
 
 
 def test_silero_vad_package_is_not_imported():
-    code = ("import sys, torch, numpy as np; torch.set_num_threads(2); from glmasr import vad; "
+    code = ("import sys, torch, numpy as np; torch.set_num_threads(2); from glmasr.audio import vad; "
             "vad.speech_regions(np.zeros(16000, np.float32), device='cpu'); "
             "assert 'silero_vad' not in sys.modules, 'silero_vad imported'; "
             "assert torch.get_num_threads() == 2, torch.get_num_threads()")

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import glmasr
-from glmasr.weights import CheckpointError, canonical_name, resolve_checkpoint
+from glmasr.checkpoint.weights import CheckpointError, canonical_name, resolve_checkpoint
 
 
 def copy_checkpoint(src, dst):
@@ -143,11 +143,7 @@ def test_cuda_requested_without_cuda(tiny_shipped):
         glmasr.load(tiny_shipped, device="cuda")
 
 
-def test_offline_hub_id_error_names_both_ways_out(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    import huggingface_hub.constants as c
-    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+def test_offline_hub_id_error_names_both_ways_out(hub_offline):
     with pytest.raises(CheckpointError) as e:
         resolve_checkpoint("someone/not-cached-model")
     assert "local checkpoint folder" in str(e.value) and "tiny-random" in str(e.value)
@@ -160,7 +156,7 @@ def test_not_a_path_nor_hub_id():
 
 # ---- the chunked reader (the CUDA loading path, run here on the CPU into plain staging buffers) ----
 
-from glmasr import weights  # noqa: E402
+from glmasr.checkpoint import weights  # noqa: E402
 from glmasr.models.glmasr import GlmAsrModel  # noqa: E402
 
 
@@ -209,7 +205,7 @@ def small_chunks(monkeypatch):
 def test_chunked_reader_equals_safe_open(tmp_path, request, file_dtype, sharded, chunking):
     if chunking == "small-chunks":
         request.getfixturevalue("small_chunks")
-    from glmasr.random_checkpoint import build_checkpoint
+    from glmasr.checkpoint.random_weights import build_checkpoint
 
     folder = build_checkpoint(tmp_path / "ckpt", size="tiny", layout="shipped", seed=3, dtype=file_dtype)
     if sharded:
@@ -331,7 +327,7 @@ def test_unknown_reader(tiny_shipped):
 @pytest.mark.parametrize("target", [torch.bfloat16, torch.float32])
 def test_cuda_chunked_reader_equals_safe_open(tmp_path, small_chunks, target):
     """Pinned staging, double-buffered non-blocking copies, casts on the GPU: the same bits as safe_open."""
-    from glmasr.random_checkpoint import build_checkpoint
+    from glmasr.checkpoint.random_weights import build_checkpoint
 
     folder = build_checkpoint(tmp_path / "ckpt", size="tiny", layout="shipped", seed=4)
     shard(folder, tensors(folder))

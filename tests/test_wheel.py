@@ -75,7 +75,7 @@ def test_wheel_contents(wheel):
     configs = {f"glmasr/configs/{p.name}" for p in (REPO / "configs").glob("*.json")}
     assert {"glmasr/configs/tiny-random.json", "glmasr/configs/glm-asr-nano-2512.json"} <= configs <= names
     assert "glmasr/assets/speech_en.flac" in names
-    assert "glmasr/resources.py" in names and "glmasr/cli.py" in names
+    assert "glmasr/checkpoint/resources.py" in names and "glmasr/cli/main.py" in names
     assert {"glmasr_kernels/__init__.py", "glmasr_kernels/logmel/__init__.py", "glmasr_kernels/logmel/logmel.cu",
             "glmasr_kernels/logmel/mel_filters.py"} <= names
     cu = {f"glmasr_kernels/logmel/{p.name}" for p in (REPO / "kernels" / "logmel").glob("*.cu*")}
@@ -114,7 +114,7 @@ def test_installed_wheel_runs_the_demo_offline(wheel, tmp_path):
         import os, sys
         target = os.path.realpath(os.environ["GLMASR_WHEEL_TARGET"]) + os.sep
         import glmasr, glmasr_kernels, glmasr.cli
-        from glmasr import resources
+        from glmasr.checkpoint import resources
         mods = {n: getattr(m, "__file__", None) for n, m in list(sys.modules.items())
                 if n.split(".")[0] in ("glmasr", "glmasr_kernels")}
         outside = {n: f for n, f in mods.items() if f and not os.path.realpath(f).startswith(target)}

@@ -1,7 +1,7 @@
 """The engine's encode stage: window groups -> prompt embeddings, on the device, without a host sync.
 
 - ``window_features``: log-mel features (W, n_mels, 3000) of 30 s window pieces on the model's device: the
-  fused CUDA frontend (``kernels/logmel``) or the plain-torch recipe (``glmasr.features``).
+  fused CUDA frontend (``kernels/logmel``) or the plain-torch recipe (``glmasr.audio.features``).
 - ``encode_groups``: the features + encoder + projector of the groups' windows in chunks of ``chunk`` windows,
   then each group's prompt embeddings with its audio placeholders replaced by its windows' audio rows.
 
@@ -17,8 +17,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..device import host_to_device
-from ..features import whisper_features
+from ..models.device import host_to_device
+from ..audio.features import whisper_features
 
 
 def window_features(pieces: list[np.ndarray], device: torch.device, frontend: str, n_mels: int) -> torch.Tensor:

@@ -22,33 +22,16 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from glmasr_kernels.greedy_commit import RUNNING, STOPPED
 
-from ..options import EngineOptions
-from ..repetition import check_repetition_stop, is_stuck
-from .generate import GenerationRequest, GenerationResult
+from .options import EngineOptions
+from .repetition import check_repetition_stop, is_stuck
 from .model_runner import ModelRunner
-from .scheduler import RequestState, Scheduler, Sequence
-
-
-@dataclass
-class SequenceOutput:
-    """New tokens of one sequence (group ``index`` of request ``request_id``) from one round."""
-
-    request_id: int
-    index: int
-    tokens: list[int]
-    finish_reason: str | None = None  # "stop" | "length" once the sequence has finished
-    stop_token_id: int | None = None
-    request_finished: bool = False  # the last sequence of its request finished with this output
-    timing: dict | None = None  # with request_finished: the request's engine-side timings (ms)
-    # logprobs[i]: natural-log probability of tokens[i] under the step's softmax (fp32 over the whole vocabulary),
-    # one per token; the stop token is not in tokens and has none
-    logprobs: list[float] = field(default_factory=list)
+from .request import GenerationRequest, GenerationResult, RequestState, Sequence, SequenceOutput
+from .scheduler import Scheduler
 
 
 class Engine:

@@ -9,27 +9,13 @@ per sequence per step. A sequence stops at the first eos id ("stop") or after it
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import torch
 
 from glmasr_kernels.greedy_commit import greedy_pick
 
 from ..models.kv_cache import KVCache
-
-
-@dataclass
-class GenerationRequest:
-    prompt_embeds: torch.Tensor  # (L, hidden)
-    max_new_tokens: int
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]  # generated tokens, without the stop token
-    finish_reason: str  # "stop" or "length"
-    stop_token_id: int | None = None
-    logprobs: list[float] = field(default_factory=list)  # log_softmax of each token_ids entry at its step
+from .request import GenerationRequest, GenerationResult
 
 
 @torch.inference_mode()

@@ -30,19 +30,9 @@ from concurrent.futures import Future
 
 import torch
 
-from .engine import Engine, SequenceOutput
-
-
-class EngineError(RuntimeError):
-    """The engine failed while running a request (not the request's own fault)."""
-
-
-class EngineClosed(RuntimeError):
-    """The engine loop was shut down."""
-
-
-class RequestTimeoutError(TimeoutError):
-    """A request did not finish within its timeout; the engine dropped it (its slots are free again)."""
+from .engine import Engine
+from .request import SequenceOutput
+from ..errors import EngineClosed, EngineError, RequestTimeoutError
 
 
 def check_timeout(timeout, name: str = "timeout") -> float | None:

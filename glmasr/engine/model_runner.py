@@ -36,8 +36,8 @@ import torch
 
 from glmasr_kernels.greedy_commit import RUNNING, commit_tokens, greedy_pick
 
-from .. import cuda_graphs
-from ..device import host_to_device
+from . import cuda_graphs
+from ..models.device import host_to_device
 from ..models.interface import AsrModel
 from ..models.kv_cache import KVCache
 from .encode import encode_groups

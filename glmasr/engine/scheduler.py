@@ -20,46 +20,8 @@ for callers that will rank requests; admission does not look at it yet (arrival 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
-import torch
-
-
-@dataclass
-class Sequence:
-    request_id: int
-    index: int  # which group of its request
-    prompt_len: int
-    max_new_tokens: int
-    ignore_eos: bool
-    plan: object | None = None  # pipeline.GroupPlan while it waits for the encoder
-    prompt_embeds: torch.Tensor | None = None  # (prompt_len, hidden) once encoded
-    slot: int | None = None
-    host_pos: int = 0  # position of the last token fed (mirror of the device's)
-    host_left: int = 0  # budget left (mirror)
-    finished: bool = False
-    repetition_stop: int | None = None  # see glmasr/repetition.py
-    tokens: list[int] | None = None  # its tokens so far, kept only when the repetition guard is on
-
-    @property
-    def num_windows(self) -> int:
-        return self.plan.num_windows if self.plan is not None else 0
-
-
-@dataclass
-class RequestState:
-    request_id: int
-    sequences: list[Sequence]
-    unfinished: int
-    timing: dict = field(default_factory=dict)  # filled by the engine (added, encoder events, ...)
-    deadline: float | None = None  # time.monotonic() instant after which the engine aborts it
-    timeout_s: float | None = None  # the timeout that deadline came from (named in the error)
-    priority: int = 0  # carried for callers that rank requests; the scheduler does not use it yet
-
-    @property
-    def running(self) -> bool:
-        """Some sequence of it holds a slot."""
-        return any(s.slot is not None for s in self.sequences)
+from .request import RequestState, Sequence
 
 
 class Scheduler:

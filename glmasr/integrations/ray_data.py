@@ -70,8 +70,8 @@ class GlmAsrPredictor:
                  repetition_stop: int | None = None, keep_audio: bool = False, decode_threads: int = 4,
                  max_batch: int | None = None, warmup: bool = False):
         import glmasr
-        from glmasr.tokenizer import build_instruction
-        from glmasr.weights import DEFAULT_MODEL_ID
+        from glmasr.checkpoint.tokenizer import build_instruction
+        from glmasr.checkpoint.weights import DEFAULT_MODEL_ID
 
         self.decode = glmasr.DecodeOptions(prompt=build_instruction(prompt, list(hotwords or [])),
                                            max_new_tokens=max_new_tokens, segmentation=segmentation,

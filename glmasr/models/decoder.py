@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import TextDecoderConfig
+from .config import TextDecoderConfig
 from .kv_cache import KVCache
 from .layers import RotaryTable, apply_rope, rms_norm, swiglu
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import AudioEncoderConfig
+from .config import AudioEncoderConfig
 from .layers import RotaryTable, apply_rope, gelu, layer_norm
 
 

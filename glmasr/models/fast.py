@@ -29,7 +29,8 @@ from glmasr_kernels._triton_utils import interpreting
 from .fast_decoder import KernelDecoder
 from .fast_encoder import KernelEncoder
 from .glmasr import GlmAsrModel
-from .kernel_support import KernelFallbackWarning, kernel_support
+from ..errors import KernelFallbackWarning
+from .kernel_support import kernel_support
 from .kv_cache import KVCache
 
 __all__ = ["FastGlmAsrModel", "KernelFallbackWarning", "kernel_support"]

@@ -30,7 +30,7 @@ from glmasr_kernels.decode_attention import decode_attention
 from glmasr_kernels.rmsnorm import rms_norm
 from glmasr_kernels.rope import build_rope_cache, rope_and_append
 
-from ..device import host_to_device
+from .device import host_to_device
 from .fast_weights import decoder_weights
 from .kv_cache import KVCache
 from .layers import sdpa_backends

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import GlmAsrConfig
-from ..device import host_to_device
+from .config import GlmAsrConfig
+from .device import host_to_device
 from .decoder import TextDecoder
 from .encoder import AudioEncoder
 from .kv_cache import KVCache

@@ -3,7 +3,7 @@
 Two implementations satisfy it: ``GlmAsrModel`` (models/glmasr.py, the plain-PyTorch reference, any device) and
 ``FastGlmAsrModel`` (models/fast.py, the GPU path on Triton kernels). A model is graph-free: CUDA graphs of
 its calls (encoder window buckets, prefill length buckets, decode batch x KV-length buckets) are captured and
-held by the runner, through ``glmasr.cuda_graphs``, so every call below must be capturable when it runs on
+held by the runner, through ``glmasr.engine.cuda_graphs``, so every call below must be capturable when it runs on
 CUDA with the Triton decoder or encoder (no host sync, no allocation that outlives the call except its output).
 
 Capability flags (plain attributes, fixed at construction):
@@ -25,7 +25,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..config import GlmAsrConfig
+from .config import GlmAsrConfig
 from .kv_cache import KVCache
 
 

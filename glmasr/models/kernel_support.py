@@ -21,10 +21,6 @@ LOGMEL_MEL_BINS = (80, 128)
 _DECODE_BLOCK_N = 64
 
 
-class KernelFallbackWarning(UserWarning):
-    """A part of the model runs on the plain PyTorch path because its config does not fit a kernel."""
-
-
 def _rope_tile(heads: int, rotary_dim: int) -> int:
     """Elements of the smallest block kernels/rope.py launches: one token x next_pow2(heads) x next_pow2(R/2)."""
     return next_pow2(heads) * next_pow2(rotary_dim // 2)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import TextDecoderConfig
+from .config import TextDecoderConfig
 
 
 class KVCache:

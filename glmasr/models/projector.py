@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import GlmAsrConfig
+from .config import GlmAsrConfig
 from .layers import gelu
 
 

@@ -2,7 +2,7 @@
 
     app = create_app(asr, ServerConfig(api_key="KEY"))     # asr: a loaded glmasr.GlmAsr (one in-process engine)
     app = create_app(DataParallelEngineClient(["cuda:0", "cuda:1"], model=folder), config)   # N engine processes
-    uvicorn.run(app, host="127.0.0.1", port=8000)         # or: glmasr serve --model ... (cli.py)
+    uvicorn.run(app, host="127.0.0.1", port=8000)         # or: glmasr serve --model ... (glmasr.cli.serve)
 
 Routes: ``POST /v1/audio/transcriptions`` (``protocol``'s docstring has the fields and formats), ``GET /v1/models``,
 ``GET /v1/models/{name}``, ``GET /health`` (200 once warmed up, else 503), ``GET /health/live`` (200 while the
@@ -24,7 +24,7 @@ take (``request_timeout_s``: the engine aborts it, a 504). Transcription request
 has finished, or once the server drains (``begin_drain``, on SIGTERM), get a 503; a body still arriving when the
 drain begins is refused at once with a 503, and only admitted work is finished.
 
-With engine workers (``data_parallel``), the details list them (``workers``: state, in-flight requests and audio
+With engine workers (``workers.requests``), the details list them (``workers``: state, in-flight requests and audio
 seconds, counters) and the ``status`` is "warming_up" (503) until every worker has loaded and warmed up,
 then "ok" (200) while every worker is ready, "degraded" (200: the ready workers take every request) while some
 worker is restarting or was given up, and "unavailable" (503) when none is ready.
@@ -34,26 +34,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
-import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
-from .. import writers
 from . import protocol
-from .engine_client import WARMUPS, EngineClient, LocalEngineClient
+from ..workers.engine_client import WARMUPS, EngineClient, LocalEngineClient
 from .http import FramingGuard, HttpLimits
-from .metrics import Metrics, outcome_for
+from .metrics import Metrics
 from .protocol import APIError
-from .serving import ClientGone, TranscriptionService, admission, upload_slots
-from .uploads import MIB, ShuttingDown, read_form
+from .routes import ServerContext, add_routes, error_response, internal_error
+from .serving import TranscriptionService, admission, upload_slots
+from .uploads import MIB
 
 log = logging.getLogger("glmasr.server")
 
@@ -120,37 +116,6 @@ class ServerState:
         self.loop: asyncio.AbstractEventLoop | None = None
 
 
-def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-class _EventStream(StreamingResponse):
-    """A streaming response whose ``on_close`` runs however it ends (finished, client gone, never started)."""
-
-    def __init__(self, content, on_close, **kwargs):
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-async def _disconnected(request: Request) -> None:
-    """Completes when the client closes the connection (the body has been read, so the next message is it)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def _client(request: Request) -> str:
-    c = request.client
-    return f"{c.host}:{c.port}" if c else "?"
-
-
 def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
     """``asr``: a loaded ``GlmAsr`` (served by its in-process engine) or an ``EngineClient``. The returned app is
     wrapped in ``http.FramingGuard``; ``app.state.begin_drain()`` starts a drain (``glmasr serve`` calls it on
@@ -158,7 +123,6 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     engine = asr if isinstance(asr, EngineClient) else LocalEngineClient(asr)
     names = config.served_names or served_names(engine)
-    lookup = {n.lower(): n for n in names}
     max_queue = config.max_queue or 4 * engine.slots
     state = ServerState()
     metrics = Metrics(engine_pending=lambda: engine.num_pending,
@@ -172,7 +136,7 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
         state.warmup_ms = engine.warmup(config.warmup)
         if config.warmup != "none":
             try:  # the VAD of chunking_strategy (CPU, in this process), if this install has it: loaded now
-                from ..vad import load_vad
+                from ..audio.vad import load_vad
 
                 load_vad("cpu")
             except ImportError:
@@ -222,219 +186,17 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return _error_response(e)
+        return error_response(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        return _error_response(APIError(e.status_code, str(e.detail), code={404: "not_found", 405:
+        return error_response(APIError(e.status_code, str(e.detail), code={404: "not_found", 405:
                                         "method_not_allowed"}.get(e.status_code)))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
-        return _error_response(_internal_error(e))
+        return error_response(internal_error(e))
 
-    def authorized(request: Request) -> bool:
-        if config.api_key is None:
-            return False
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(key.strip().encode(), config.api_key.encode())
-
-    def check_auth(request: Request) -> None:
-        if config.api_key is not None and not authorized(request):
-            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-    def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": config.created, "owned_by": "glmasr"}
-
-    @app.get("/v1/models")
-    async def list_models(request: Request):
-        check_auth(request)
-        return {"object": "list", "data": [model_card(n) for n in names]}
-
-    @app.get("/v1/models/{name:path}")
-    async def get_model(name: str, request: Request):
-        check_auth(request)
-        if name.lower() not in lookup:
-            raise _unknown_model(name, names)
-        return model_card(lookup[name.lower()])
-
-    def status() -> str:
-        if state.draining.is_set():
-            return "draining"
-        if not state.ready:
-            return "error" if state.warmup_error else "warming_up"
-        workers = engine.workers()
-        if workers is not None:
-            up = sum(w["state"] == "ready" for w in workers)
-            return "ok" if up == len(workers) else ("degraded" if up else "unavailable")
-        return "ok"
-
-    def health_body(request: Request, st: str) -> dict:
-        body = {"status": st}
-        if authorized(request):
-            body.update(models=list(names), in_flight=admitted.active, max_queue=max_queue,
-                        uploads=uploads.active, max_uploads=uploads.limit)
-            if state.warmup_error:
-                body["error"] = state.warmup_error
-            workers = engine.workers()
-            if workers is not None:
-                body["workers"] = workers
-        return body
-
-    @app.get("/health")
-    async def health(request: Request):
-        st = status()
-        return JSONResponse(health_body(request, st), status_code=200 if st in ("ok", "degraded") else 503)
-
-    @app.get("/health/live")
-    async def health_live(request: Request):
-        return JSONResponse(health_body(request, "ok"))
-
-    @app.get("/health/ready")
-    async def health_ready(request: Request):
-        st = status()
-        return JSONResponse(health_body(request, st), status_code=200 if st in ("ok", "degraded") else 503)
-
-    @app.get("/metrics")
-    async def get_metrics():
-        return Response(metrics.render(), media_type=metrics.content_type)
-
-    def refuse_if_not_taking() -> None:
-        if state.draining.is_set():
-            raise ShuttingDown()
-        if not state.ready:
-            raise APIError(503, "the model is warming up; see GET /health/ready", type="server_error",
-                           code="not_ready", headers={"Retry-After": "1"})
-
-    @app.post("/v1/audio/transcriptions")
-    async def transcriptions(request: Request):
-        t0 = time.perf_counter()
-        ticket = form = None
-        try:
-            check_auth(request)
-            refuse_if_not_taking()
-            with uploads.enter():
-                form = await read_form(request, config.max_upload_bytes, config.limits, state.draining)
-            req = _request_from_form(form, config.max_upload_bytes)
-            if req.model.lower() not in lookup:
-                raise _unknown_model(req.model, names)
-            refuse_if_not_taking()
-            ticket = admitted.enter()
-            started = await service.start(req, t0)
-        except APIError as e:
-            _release(ticket)
-            await _close(form)
-            metrics.requests.labels(outcome_for(e.status)).inc()
-            return _error_response(e)
-        except ClientDisconnect:  # the client went away while sending: one log line, nothing to answer
-            _release(ticket)
-            await _close(form)
-            metrics.requests.labels("aborted").inc()
-            log.info("client %s disconnected during its upload", _client(request))
-            return Response(status_code=499)
-        except asyncio.CancelledError:  # the server's hard stop
-            _release(ticket)
-            await _close(form)
-            metrics.requests.labels("aborted").inc()
-            raise
-        except Exception as e:
-            _release(ticket)
-            await _close(form)
-            metrics.requests.labels("error").inc()
-            return _error_response(_internal_error(e))
-        await _close(form)  # decoded: the spooled upload is no longer needed
-
-        if req.stream:
-            outcome = {"value": "aborted"}
-
-            async def body():
-                async for chunk in service.events(started, req):
-                    yield chunk
-                outcome["value"] = "ok" if started.job.result is not None else "error"
-
-            def on_close():
-                started.job.abort()
-                ticket.release()
-                metrics.requests.labels(outcome["value"]).inc()
-                if outcome["value"] == "ok":
-                    metrics.latency.labels("true").observe(time.perf_counter() - t0)
-
-            return _EventStream(body(), on_close, media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-        try:
-            result = await service.transcribe(started, _disconnected(request))
-        except ClientGone:
-            metrics.requests.labels("aborted").inc()
-            log.info("client %s disconnected while its transcription ran; it was stopped", _client(request))
-            return Response(status_code=499)  # nobody reads it: the connection is gone
-        except APIError as e:
-            metrics.requests.labels(outcome_for(e.status)).inc()
-            return _error_response(e)
-        finally:
-            ticket.release()
-        metrics.requests.labels("ok").inc()
-        metrics.latency.labels("false").observe(time.perf_counter() - t0)
-        return _render(req, started, result)
-
+    add_routes(app, ServerContext(config, state, engine, names, metrics, admitted, uploads, service, max_queue))
     app.add_middleware(FramingGuard)
     return app
-
-
-def _release(ticket) -> None:
-    if ticket is not None:
-        ticket.release()
-
-
-async def _close(form) -> None:
-    if form is not None:
-        await form.close()
-
-
-def _internal_error(e: BaseException) -> APIError:
-    """A bug or an unexpected failure: logged once with its traceback under an id; the client gets the id only (the
-    exception's text may hold server paths)."""
-    ref = uuid.uuid4().hex[:12]
-    log.error("internal error %s: %s: %s", ref, type(e).__name__, e, exc_info=e)
-    return APIError(500, f"internal error (reference {ref}; the server's log has the details)", type="server_error",
-                    code="internal_error")
-
-
-def _request_from_form(form, max_upload: int) -> protocol.TranscriptionRequest:
-    uploads = form.getlist("file")
-    if not uploads:
-        raise protocol.bad_request("you must provide a file parameter (the audio)", "file",
-                                   "missing_required_parameter")
-    if len(uploads) > 1:
-        raise protocol.bad_request(f"file was sent {len(uploads)} times; send one audio per request", "file")
-    upload = uploads[0]
-    if isinstance(upload, str):
-        raise protocol.bad_request("file must be a file upload (multipart part with a filename), not a text field",
-                                   "file", "invalid_type")
-    size = upload.size if upload.size is not None else 0
-    if size > max_upload:
-        raise APIError(413, f"the file is {size / MIB:.2f} MiB; this server accepts at most {max_upload / MIB:g} MiB "
-                            "(--max-upload-mb)", param="file", code="file_too_large")
-    upload.file.seek(0)
-    return protocol.parse_form(form, upload.file, size, upload.filename or "upload")
-
-
-def _unknown_model(name: str, names) -> APIError:
-    return APIError(404, f"the model {name!r} does not exist on this server; it serves {', '.join(names)}",
-                    param="model", code="model_not_found")
-
-
-def _render(req: protocol.TranscriptionRequest, started, result):
-    seconds = started.audio.duration_s
-    fmt = req.response_format
-    if fmt == "json":
-        return JSONResponse(protocol.json_body(result.text, seconds))
-    if fmt == "text":
-        return PlainTextResponse(result.text)
-    if fmt == "srt":
-        return PlainTextResponse(writers.to_srt(result), media_type="application/x-subrip")
-    if fmt == "vtt":
-        return PlainTextResponse(writers.to_vtt(result), media_type="text/vtt")
-    return JSONResponse(protocol.verbose_body(result, seconds, req.language))

@@ -224,6 +224,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
+    from ..checkpoint.weights import DEFAULT_MODEL_ID
+
     p = argparse.ArgumentParser(prog="python -m glmasr.server.loadgen", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default=None, help="the server's /v1 base URL (else --serve)")
     p.add_argument("--serve", action="store_true", help="load --model here and serve it on a free local port")
@@ -250,9 +252,8 @@ def main(argv=None) -> int:
     url = args.url
     if args.serve:
         import glmasr
-        from glmasr.cli import _pick_model
 
-        asr = glmasr.load(_pick_model(args.model), device=args.device, max_batch=args.max_batch)
+        asr = glmasr.load(args.model or DEFAULT_MODEL_ID, device=args.device, max_batch=args.max_batch)
         server = BackgroundServer(asr, max_queue=max(levels) * 2)
         server.wait_ready()
         url = server.url
@@ -263,9 +264,8 @@ def main(argv=None) -> int:
             print(json.dumps(row), file=sys.stderr)
         if server is None and args.offline_model and not args.no_offline:
             import glmasr
-            from glmasr.cli import _pick_model
 
-            asr = glmasr.load(_pick_model(args.offline_model), device=args.device, max_batch=args.max_batch)
+            asr = glmasr.load(args.offline_model, device=args.device, max_batch=args.max_batch)
         if (server is not None or args.offline_model) and not args.no_offline:
             out["reference"] = offline_reference(asr, clips, batch=max(levels))
     finally:

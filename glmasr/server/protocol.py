@@ -1,5 +1,5 @@
 """The wire format of the OpenAI transcription API as this server speaks it: the error envelope, the parsed and
-validated request, and the response bodies (json, text, srt, vtt, verbose_json, stream events).
+validated request, and the stream events (the response bodies are rendered by ``glmasr.writers.render_openai``).
 
 Request fields (multipart/form-data, as the ``openai`` client sends them: list fields as ``name[]``, booleans as
 "true"/"false", fields left out are not sent):
@@ -24,7 +24,7 @@ Request fields (multipart/form-data, as the ``openai`` client sends them: list f
   ``[DONE]``); with ``response_format`` json or text only.
 - ``chunking_strategy``: left out = the reference segmentation (non-overlapping 30 s windows packed into prompts of
   up to 21 windows: token-exact with transformers). ``auto`` or ``{"type": "server_vad", ...}`` = voice activity
-  detection (``glmasr.vad``, Silero VAD, run on the CPU in the request's worker thread): speech regions merged
+  detection (``glmasr.audio.vad``, Silero VAD, run on the CPU in the request's worker thread): speech regions merged
   into pieces of at most 30 s, one prompt and one segment (with its true times) each; a recording with no speech
   gives an empty text. ``server_vad``'s ``threshold`` (0-1, default 0.5), ``silence_duration_ms`` (the silence that
   ends a region, default 500) and ``prefix_padding_ms`` (padding around each region, default 200) are passed on;
@@ -47,7 +47,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ..tokenizer import build_instruction
+from ..checkpoint.tokenizer import build_instruction
 
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 DEFAULT_MODEL_NAME = "glm-asr-nano-2512"
@@ -117,7 +117,7 @@ class TranscriptionRequest:
     response_format: str = "json"
     stream: bool = False
     granularities: list[str] = field(default_factory=list)
-    vad: dict | None = None  # chunking by VAD: keyword arguments of glmasr.vad.speech_regions; None = 30 s windows
+    vad: dict | None = None  # chunking by VAD: keyword arguments of glmasr.audio.vad.speech_regions; None = 30 s windows
 
     @property
     def instruction(self) -> str | None:
@@ -231,7 +231,7 @@ _VAD_PARAMS = {"threshold": ("threshold", 0.0, 1.0), "silence_duration_ms": ("mi
 
 def _chunking(form) -> dict | None:
     """``chunking_strategy`` (a string "auto", a JSON object, or the client's ``chunking_strategy[key]`` fields)
-    -> keyword arguments for ``glmasr.vad.speech_regions``, or None (30 s windows)."""
+    -> keyword arguments for ``glmasr.audio.vad.speech_regions``, or None (30 s windows)."""
     raw = _text_field(form, "chunking_strategy")
     fields = {k[len("chunking_strategy["):-1]: _text_field(form, k) for k in form.keys()
               if k.startswith("chunking_strategy[") and k.endswith("]")}
@@ -278,28 +278,6 @@ def _chunking(form) -> dict | None:
 
 
 # ---- responses ----
-def duration_usage(seconds: float) -> dict:
-    return {"type": "duration", "seconds": round(seconds, 3)}
-
-
-def json_body(text: str, seconds: float) -> dict:
-    return {"text": text, "usage": duration_usage(seconds)}
-
-
-def verbose_segment(seg) -> dict:
-    """One ``glmasr.results.Segment`` as the OpenAI client's ``TranscriptionSegment``."""
-    return {"id": seg.id, "seek": int(round(seg.start * 100)), "start": round(seg.start, 3), "end": round(seg.end, 3),
-            "text": seg.text, "tokens": list(seg.token_ids), "temperature": 0.0,
-            "avg_logprob": float(seg.avg_logprob),
-            "compression_ratio": float(seg.compression_ratio), "no_speech_prob": 0.0}
-
-
-def verbose_body(result, seconds: float, language: str | None) -> dict:
-    return {"task": "transcribe", "language": language or "unknown", "duration": round(seconds, 3),
-            "text": result.text, "segments": [verbose_segment(s) for s in result.segments],
-            "usage": duration_usage(seconds)}
-
-
 def sse(payload) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n".encode("utf-8")

@@ -1,4 +1,4 @@
-"""Transcription over an engine client (``engine_client.py``: the shared in-process ``GlmAsr`` engine, or the
+"""Transcription over an engine client (``glmasr.workers.engine_client``: the shared in-process ``GlmAsr`` engine, or the
 engine worker processes of ``--data-parallel``), for the HTTP layer (``app.py``).
 
 Per request: admission into a bounded set of in-flight requests (``admission``; full = 429), the upload decoded
@@ -16,13 +16,13 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..audio import Audio, AudioDecodeError, AudioError, AudioTooLongError, decode_audio_file
-from ..engine.loop import EngineClosed, EngineError, RequestTimeoutError
+from ..audio import Audio, decode_audio_file
+from ..errors import AudioDecodeError, GlmAsrError, RequestTimeoutError, VadUnavailableError, error_code
 from ..options import DecodeOptions
 from . import protocol
-from .engine_client import EngineRequest, EngineUnavailable
+from ..workers.engine_client import EngineRequest
 from .metrics import Metrics
-from .protocol import APIError, TranscriptionRequest, bad_request
+from .protocol import APIError, TranscriptionRequest
 
 
 def decode_upload(file, filename: str, max_audio_s: float | None) -> Audio:
@@ -34,25 +34,19 @@ def decode_upload(file, filename: str, max_audio_s: float | None) -> Audio:
     unsupported_audio) a 400, all with ``param`` "file"."""
     try:
         return decode_audio_file(file, f"file {filename!r}", max_audio_s or None, allow_truncated=False)
-    except AudioTooLongError as e:
-        raise APIError(413, f"{e} (the server's --max-audio-s)", param="file", code=e.code) from None
     except AudioDecodeError as e:
-        raise bad_request(str(e), "file", e.code) from None
+        raise api_error(e) from None
 
 
 def vad_pieces(audio: Audio, params: dict) -> list[tuple[float, float]]:
-    """Speech regions (Silero VAD on the CPU, so the GPU stays the engine's) merged into <= 30 s pieces."""
+    """Speech pieces of at most 30 s through the one VAD entry every caller uses (``audio.vad.segment``: what
+    ``transcribe(segmentation="vad")`` and ``glmasr transcribe`` cut), on the CPU so the GPU stays the engine's."""
+    from ..audio.vad import segment
+
     try:
-        from ..vad import VadUnavailableError, merge_regions, speech_regions
-    except ImportError as e:
-        raise bad_request(f"chunking_strategy needs glmasr.vad, which this install lacks ({e})", "chunking_strategy",
-                          "unsupported_value") from None
-    try:
-        regions = speech_regions(audio.samples, device="cpu", **params)
+        return segment(audio.samples, max_s=30.0, device="cpu", **params)
     except VadUnavailableError as e:
-        raise bad_request(f"chunking_strategy needs the vad extra (pip install 'glmasr[vad]'): {e}",
-                          "chunking_strategy", "unsupported_value") from None
-    return merge_regions(regions)
+        raise api_error(e) from None
 
 
 class Slots:
@@ -123,22 +117,44 @@ class Started:
     t0: float  # request received (perf_counter)
 
 
-def _submission_error(e: BaseException) -> APIError | None:
-    """The answer to a request the engine could not take (None: not such an error)."""
-    if isinstance(e, EngineClosed):
-        return APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
-    if isinstance(e, EngineUnavailable):
-        return APIError(503, str(e), type="server_error", code=e.code, headers={"Retry-After": "1"})
-    if isinstance(e, AudioError):  # too short for one audio token
-        return bad_request(str(e), "file", "invalid_audio")
-    if isinstance(e, ValueError):  # the prompt leaves no room for the audio
-        return bad_request(str(e), "prompt")
-    return None
+# The one translation of the package's errors (glmasr.errors, by their stable code) into the OpenAI envelope:
+# code -> (HTTP status, error type, param, what the message is led by).
+_ANSWERS = {
+    "audio_too_long": (413, "invalid_request_error", "file", ""),
+    "empty_file": (400, "invalid_request_error", "file", ""),
+    "invalid_audio": (400, "invalid_request_error", "file", ""),
+    "unsupported_format": (400, "invalid_request_error", "file", ""),
+    "unsupported_audio": (400, "invalid_request_error", "file", ""),
+    "invalid_value": (400, "invalid_request_error", "prompt", ""),  # the prompt leaves no room for the audio
+    "vad_unavailable": (400, "invalid_request_error", "chunking_strategy", "chunking_strategy needs the Silero VAD "
+                        "weights (pip install silero-vad): "),
+    "shutting_down": (503, "server_error", None, ""),
+    "worker_died": (503, "server_error", None, "transcription failed: "),
+    "no_worker": (503, "server_error", None, ""),
+    "request_timeout": (504, "server_error", None, ""),
+    "engine_error": (500, "server_error", None, "transcription failed: "),
+}
 
 
 def timed_out(seconds: float | None) -> APIError:
-    return APIError(504, f"the transcription did not finish within the server's request timeout of {seconds:g} s "
+    limit = "" if seconds is None else f" of {seconds:g} s"
+    return APIError(504, f"the transcription did not finish within the server's request timeout{limit} "
                          "(--request-timeout); it was stopped", type="server_error", code="request_timeout")
+
+
+def api_error(e: BaseException, request_timeout_s: float | None = None) -> APIError | None:
+    """The answer to one of the package's errors (None: not one it expects: a bug, answered by the app's 500)."""
+    if isinstance(e, RequestTimeoutError):
+        return timed_out(request_timeout_s)
+    code = error_code(e)
+    if code not in _ANSWERS:
+        if isinstance(e, RuntimeError):  # the request was aborted underneath us (shutdown)
+            return APIError(503, f"transcription was aborted: {e}", type="server_error", code="aborted")
+        return None
+    status, kind, param, lead = _ANSWERS[code]
+    message = f"{lead}{e}" + (" (the server's --max-audio-s)" if code == "audio_too_long" else "")
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return APIError(status, message, type=kind, param=param, code=code, headers=headers)
 
 
 class TranscriptionService:
@@ -160,7 +176,7 @@ class TranscriptionService:
             job = self.engine.submit(audio, DecodeOptions(prompt=req.instruction), t0, audio_ms, pieces,
                                      req.stream, timeout=self.request_timeout_s)
         except Exception as e:
-            err = _submission_error(e)
+            err = api_error(e)
             if err is None:
                 raise
             raise err from None
@@ -179,7 +195,7 @@ class TranscriptionService:
             await started.job.started()
         except BaseException as e:
             started.job.abort()
-            err = _submission_error(e) if isinstance(e, Exception) else None
+            err = api_error(e) if isinstance(e, Exception) else None
             if err is None:
                 raise
             raise err from None
@@ -206,15 +222,11 @@ class TranscriptionService:
                 raise ClientGone()
             try:
                 result = result_task.result()
-            except RequestTimeoutError:
-                raise timed_out(self.request_timeout_s) from None
-            except EngineUnavailable as e:  # the engine worker holding it died
-                raise APIError(503, f"transcription failed: {e}", type="server_error", code=e.code,
-                               headers={"Retry-After": "1"}) from None
-            except EngineError as e:
-                raise APIError(500, f"transcription failed: {e}", type="server_error", code="engine_error") from None
-            except RuntimeError as e:  # aborted underneath us (shutdown)
-                raise APIError(503, f"transcription was aborted: {e}", type="server_error", code="aborted") from None
+            except Exception as e:  # the engine's answer: a timeout, a dead worker, an engine fault, a shutdown
+                err = api_error(e, self.request_timeout_s)
+                if err is None:
+                    raise
+                raise err from None
             self._account(started, result)
             return result
         finally:
@@ -243,13 +255,11 @@ class TranscriptionService:
             self._account(started, result)
             yield protocol.done_event(result.text, job.prompt_tokens, len(result.token_ids))
             yield protocol.sse("[DONE]")
-        except RequestTimeoutError:
-            e = timed_out(self.request_timeout_s)
-            yield protocol.error_event(e.message, code=e.code)
-        except EngineUnavailable as e:
-            yield protocol.error_event(f"transcription failed: {e}", code=e.code)
-        except EngineError as e:
-            yield protocol.error_event(f"transcription failed: {e}", code="engine_error")
+        except (GlmAsrError, RuntimeError) as e:  # the same answers as a plain request, as the stream's last event
+            err = api_error(e, self.request_timeout_s)
+            if err is None:
+                raise
+            yield protocol.error_event(err.message, code=err.code)
         finally:
             job.abort()
 

@@ -1,7 +1,7 @@
 """The files policy on the worker pool (``pool.py``): many files, one engine process per device, results as they
 finish, a crashed worker's files retried. ``glmasr transcribe --devices`` uses it.
 
-    from glmasr.parallel import transcribe_files
+    from glmasr.workers import transcribe_files
     results = transcribe_files(paths, devices=["cuda:0", "cuda:1"], model="zai-org/GLM-ASR-Nano-2512")
 
 or, keeping the workers loaded between batches and taking results as they finish:
@@ -37,14 +37,11 @@ from typing import Callable, Iterable, Iterator
 from ..options import DecodeOptions
 from ..results import Transcription
 from .pool import Worker, WorkerPool, parse_devices
+from ..errors import WorkerStartError
 
 __all__ = ["DevicePool", "FileResult", "WorkerStartError", "parse_devices", "transcribe_files"]
 
 DEFAULT_IN_FLIGHT = {"cuda": 16, "cpu": 4}
-
-
-class WorkerStartError(RuntimeError):
-    """No worker could load the model (the messages of every worker that tried)."""
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The lifecycle of a pool of engine worker processes, one per entry of ``devices`` (the child: ``process.py``).
 Two dispatch policies build on it: ``files.py`` (``DevicePool``: files, retried after a crash) and
-``glmasr.server.data_parallel`` (``DataParallelEngineClient``: the server's requests, never retried).
+``requests.py`` (``DataParallelEngineClient``: the server's requests, never retried).
 
 A worker slot's states: ``starting`` (spawned, loading) -> ``ready`` -> (its death) -> ``starting`` again, until
 ``stopping`` (closing: draining) -> ``stopped``; or ``gone`` (given up).
@@ -43,7 +43,7 @@ _READS = 256  # messages read from one worker before the monitor looks at the ot
 
 def parse_devices(devices) -> list[str]:
     """``"cuda:0,cuda:1"`` or a list -> a checked list of device strings ("cpu", "cuda", "cuda:N")."""
-    from ..device import resolve_device
+    from ..models.device import resolve_device
 
     if isinstance(devices, str):
         devices = [d for d in (x.strip() for x in devices.split(",")) if d]
@@ -82,7 +82,7 @@ class WorkerPool:
                  worker_timeout_s: float | None = None, drain_timeout_s: float = 30.0, hooks: dict | None = None,
                  engine_options: dict | None = None, name: str = "glmasr-worker"):
         from ..options import EngineOptions
-        from ..weights import DEFAULT_MODEL_ID, read_config, resolve_checkpoint
+        from ..checkpoint.weights import DEFAULT_MODEL_ID, read_config, resolve_checkpoint
 
         self.devices = parse_devices(devices)
         if worker_timeout_s is not None and not worker_timeout_s > 0:

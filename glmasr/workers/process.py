@@ -23,10 +23,11 @@ Messages, parent -> worker: ``("submit", id, source, decode, t_start, audio_ms, 
 ``("accepted", id, prompt_tokens)`` or ``("rejected", id, kind, message)``, ``("first", id, t)``,
 ``("delta", id, TranscriptDelta)``... (the last one ``finished``, with the ``Transcription``; with
 ``stream=False`` only that one), ``("failed", id, kind, message)``, always ending with ``("end", id)`` once the
-worker holds nothing of the job (its engine slots are free). ``kind``: "audio", "value", "closed", "timeout"
-(the engine stopped it at its timeout), "engine", "error".
+worker holds nothing of the job (its engine slots are free). ``kind``: the error's stable code
+(``glmasr.errors.error_code``: "invalid_audio", "invalid_value", "shutting_down", "request_timeout", "engine_error",
+..., or "error" for anything else).
 
-Stopping: ``("stop",)`` or SIGTERM drains (new jobs are rejected as "closed", the ones in hand finish, then the
+Stopping: ``("stop",)`` or SIGTERM drains (new jobs are rejected as "shutting_down", the ones in hand finish, then the
 process exits 0). A worker whose parent went away (its pipe closed) exits at once: nobody wants its results.
 
 Test hooks (``spec.hooks``, tests only): ``crash_on``: a file whose name contains it, or ``crash_on_prompt``: a
@@ -135,7 +136,7 @@ def worker_main(spec: WorkerSpec, inbox, outbox) -> None:
         asr = glmasr.load(spec.model, device=spec.device, dtype=spec.dtype, **spec.engine_options)
         load_ms = 1e3 * (time.perf_counter() - t0)
         if spec.server:
-            from glmasr.server.engine_client import LocalEngineClient
+            from .engine_client import LocalEngineClient
 
             client = LocalEngineClient(asr)
         else:
@@ -206,14 +207,11 @@ class _HandleJob:
 
 
 def _error_kind(e: BaseException) -> tuple[str, str]:
-    from glmasr.audio import AudioError
-    from glmasr.engine.loop import EngineClosed, EngineError, RequestTimeoutError
+    """(code, message) of a job's error for the pipe (``glmasr.errors.error_code``; rebuilt with ``from_code``)."""
+    from glmasr.errors import error_code
 
-    for cls, kind in ((AudioError, "audio"), (RequestTimeoutError, "timeout"), (EngineClosed, "closed"),
-                      (EngineError, "engine"), (ValueError, "value")):
-        if isinstance(e, cls):
-            return kind, str(e)
-    return "error", f"{type(e).__name__}: {e}"
+    code = error_code(e)
+    return code, str(e) if code != "error" else f"{type(e).__name__}: {e}"
 
 
 class _Jobs:
@@ -270,7 +268,7 @@ class _Jobs:
                     (crash_on_prompt is not None and decode.prompt == crash_on_prompt):
                 os._exit(CRASH_EXIT_CODE)  # test hook: the process dies with its jobs in flight
             if self.draining:
-                self.send(("rejected", jid, "closed", "the engine worker is shutting down"))
+                self.send(("rejected", jid, "shutting_down", "the engine worker is shutting down"))
                 self.send(("end", jid))
                 return
             self.tasks[jid] = self.loop.create_task(self._run(name, *msg[1:]))

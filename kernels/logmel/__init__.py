@@ -4,11 +4,11 @@ Front doors:
   whisper_features(pcm, lengths=None, n_mels=128, out_dtype=torch.float32) -> (features, mask)
       pcm (B, <=480000) float32 or int16 CUDA; features (B, n_mels, 3000), mask (B, 3000) int32.
       out_dtype float32, bfloat16 or float16 (computed in fp32, rounded once on store).
-      Exactly glmasr.features.log_mel_windows on the zero-padded 30 s windows (per-window max).
+      Exactly glmasr.audio.features.log_mel_windows on the zero-padded 30 s windows (per-window max).
   MelSpectrogram(**torchaudio.transforms.MelSpectrogram arguments except window_fn)
       input (..., time) float32/int16 CUDA -> (..., n_mels, n_frames).
   is_available() -> whether the CUDA path can run here.
-  mel_filters.mel_filter_bank_np: the Whisper filter bank in numpy (no CUDA; glmasr.features imports it).
+  mel_filters.mel_filter_bank_np: the Whisper filter bank in numpy (no CUDA; glmasr.audio.features imports it).
 """
 
 from __future__ import annotations

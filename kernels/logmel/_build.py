@@ -65,7 +65,7 @@ class KernelConfig:
 
 def cache_dir() -> Path:
     """$GLMASR_CACHE_DIR/cubins, else $XDG_CACHE_HOME/glmasr/cubins, else ~/.cache/glmasr/cubins: the cubins folder
-    of the cache root glmasr uses for its other files (``glmasr.options.cache_dir``; the kernels read the
+    of the cache root glmasr uses for its other files (``glmasr.checkpoint.resources.cache_dir``; the kernels read the
     variable themselves, since they import nothing from glmasr)."""
     env = os.environ.get("GLMASR_CACHE_DIR")
     base = Path(env).expanduser() if env else Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "glmasr"

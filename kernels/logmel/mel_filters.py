@@ -1,7 +1,7 @@
 """Whisper's mel filter bank in plain numpy (no torch, no CUDA).
 
 One definition shared by the CUDA frontend (``_runtime``, which packs it for the kernel) and the plain-PyTorch
-reference ``glmasr.features`` (which imports it from here: the package may import the kernels, the kernels
+reference ``glmasr.audio.features`` (which imports it from here: the package may import the kernels, the kernels
 never import the package).
 """
 

@@ -6,7 +6,7 @@ Without FILE it makes (once, cached in /tmp) --minutes of synthetic 44.1 kHz ste
 (libsndfile's LAME) and as a FLAC. Every run is ``load_audio(file)`` in a fresh subprocess, which reports its wall
 time and its peak RSS above what it held before the call (so imports do not count). Modes: "default" (the
 module's defaults: threaded decode of long files where it applies), "sequential" (``AUDIO_THREADS = 1``) and,
-with ``--baseline PATH``, the same two modes for another version of ``glmasr/audio.py`` (e.g. an older copy),
+with ``--baseline PATH``, the same two modes for an older, single-module ``glmasr/audio.py`` (e.g. from git history),
 loaded in place of the package's module. Every mode's 16 kHz output is compared with the first mode's (bit-equal
 or the max abs difference).
 """
@@ -34,10 +34,12 @@ if baseline:
     audio = importlib.util.module_from_spec(spec)
     sys.modules["glmasr.audio"] = audio
     spec.loader.exec_module(audio)
+    threads_home = audio  # a single-module audio.py holds the thread setting itself
 else:
     from glmasr import audio
+    from glmasr.audio import resampler as threads_home
 if threads:
-    audio.AUDIO_THREADS = threads
+    threads_home.AUDIO_THREADS = threads
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
@@ -83,7 +85,7 @@ def main() -> None:
     ap.add_argument("files", nargs="*")
     ap.add_argument("--minutes", type=float, default=60.0)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--baseline", default="", help="another glmasr/audio.py to compare with")
+    ap.add_argument("--baseline", default="", help="an older single-module glmasr/audio.py to compare with")
     args = ap.parse_args()
 
     files = [Path(f) for f in args.files]

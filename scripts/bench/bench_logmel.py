@@ -1,7 +1,7 @@
 """Benchmark of the fused log-mel frontend (kernels/logmel) on one GPU; one device call.
 
 CUDA-event medians over rotating fresh inputs (more input bytes than L2), against the torch.stft
-recipe (glmasr.features.log_mel_windows), torchaudio MelSpectrogram and PyPI flashmel when present.
+recipe (glmasr.audio.features.log_mel_windows), torchaudio MelSpectrogram and PyPI flashmel when present.
 Prints a table (ms, % of the measured copy peak for (input + output bytes) / time) and writes
 JSON to $OUT/bench_logmel.json (or --out).
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from glmasr.features import log_mel_windows
+from glmasr.audio.features import log_mel_windows
 from glmasr_kernels.logmel import MelSpectrogram, whisper_features
 from glmasr_kernels.logmel import _config as C
 from glmasr_kernels.logmel._build import KernelConfig, get_cubin

@@ -1,5 +1,5 @@
 """GPU checks of our model against transformers on the full-size GLM-ASR config with random bf16 weights (the
-full-size checkpoint of ``glmasr.random_checkpoint``, built on the GPU once per machine), in one process.
+full-size checkpoint of ``glmasr.checkpoint.random_weights``, built on the GPU once per machine), in one process.
 
 Parts (default: all, in this order; each is kept when a later one fails):
   logits   teacher-forced logits over a 3.5 s clip + 20 forced tokens (21 predicted positions): ours (plain-torch
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import glmasr
-from glmasr.random_checkpoint import ensure_full_size_checkpoint
+from glmasr.checkpoint.random_weights import ensure_full_size_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout root (the speech sample)
 
@@ -73,7 +73,7 @@ def find_attr(name: str, modules: tuple[str, ...]):
 
 
 def teacher_forced_logits(*args, **kwargs):
-    return find_attr("teacher_forced_logits", ("glmasr", "glmasr.oracle", "glmasr.api"))(*args, **kwargs)
+    return find_attr("teacher_forced_logits", ("glmasr", "glmasr.pipeline", "glmasr.api"))(*args, **kwargs)
 
 
 def compare(a: torch.Tensor, b: torch.Tensor) -> dict:

@@ -8,8 +8,8 @@ import torch
 def graph_call_us(calls: list, repeats: int, replays: int = 9, warmup_passes: int = 1) -> float:
     """Median microseconds per call: ``calls`` (closures), ``repeats`` times over, run ``warmup_passes`` times
     eagerly on a side stream (Triton compiles, cuBLAS picks algorithms), then captured into one graph
-    (``glmasr.cuda_graphs.capture``), replayed twice untimed and ``replays`` times timed with CUDA events."""
-    from glmasr.cuda_graphs import capture
+    (``glmasr.engine.cuda_graphs.capture``), replayed twice untimed and ``replays`` times timed with CUDA events."""
+    from glmasr.engine.cuda_graphs import capture
 
     def all_calls():
         for _ in range(repeats):

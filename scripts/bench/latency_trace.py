@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import glmasr
-from glmasr.random_checkpoint import ensure_full_size_checkpoint
+from glmasr.checkpoint.random_weights import ensure_full_size_checkpoint
 
 
 def gpu_gaps(trace: dict, top: int = 12) -> dict:

@@ -97,7 +97,7 @@ def make_recording(path: Path, minutes: float, rate: int = 44100) -> dict:
 
 
 def recording(minutes: float) -> Path:
-    from glmasr.options import cache_dir
+    from glmasr.checkpoint.resources import cache_dir
 
     folder = cache_dir() / "bench"
     folder.mkdir(parents=True, exist_ok=True)
@@ -146,7 +146,7 @@ def stages(asr, path: Path) -> dict:
     """Each host/GPU stage alone on the same file."""
     import soundfile as sf
 
-    from glmasr import vad
+    from glmasr.audio import vad
     from glmasr.audio import load_audio
 
     out = {}
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import glmasr
-    from glmasr.random_checkpoint import ensure_full_size_checkpoint
+    from glmasr.checkpoint.random_weights import ensure_full_size_checkpoint
 
     folder = args.model or ensure_full_size_checkpoint()
     asr = glmasr.load(folder, device=args.device)

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import glmasr
-    from glmasr.random_checkpoint import ensure_full_size_checkpoint
+    from glmasr.checkpoint.random_weights import ensure_full_size_checkpoint
 
     folder = args.model or ensure_full_size_checkpoint()
     asr = glmasr.load(folder, device=args.device)

@@ -1,6 +1,6 @@
 """Command line: ``glmasr AUDIO...`` (installed console command) and ``python demo.py``; ``glmasr serve ...``
-starts the OpenAI-compatible server (``glmasr.server.cli``), ``glmasr transcribe FILES_OR_DIRS...`` writes
-transcripts and subtitles (``glmasr.transcribe_cli``). A file named ``serve`` or ``transcribe`` is ``./serve``.
+starts the OpenAI-compatible server (``glmasr.cli.serve``), ``glmasr transcribe FILES_OR_DIRS...`` writes
+transcripts and subtitles (``glmasr.cli.transcribe``). A file named ``serve`` or ``transcribe`` is ``./serve``.
 ``glmasr --help`` lists the commands; ``glmasr serve`` without the ``serve`` extra exits with status 2 and names
 ``pip install 'glmasr[serve]'``."""
 
@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
+
+from .common import pick_model, positive_int
 
 # What `glmasr serve` imports that only the serve extra installs.
 _SERVE_MODULES = {"fastapi", "starlette", "uvicorn", "multipart", "python_multipart", "prometheus_client"}
@@ -20,63 +21,11 @@ _COMMANDS = """commands:
   glmasr serve [options]                 OpenAI-compatible server (needs: pip install 'glmasr[serve]';
                                          glmasr serve --help)"""
 
-# Overrides (tests): the tiny-random checkpoint folder (default: the user cache, glmasr.resources.cache_dir())
-# and the one local real-weights folder to look at (default: resources.local_weights_candidates()).
-TINY_RANDOM: Path | None = None
-LOCAL_WEIGHTS: Path | None = None
-
-
-def _pick_model(arg: str | None) -> str:
-    """The --model argument -> what ``glmasr.load`` gets: ``tiny-random`` built now (saying so on stderr; a
-    CheckpointError if the cache cannot be written), a given value as it is, by default the local weights folder
-    if there is one, else the hub id."""
-    from . import resources
-    from .weights import DEFAULT_MODEL_ID, TINY_RANDOM as TINY_NAME, tiny_random_checkpoint
-
-    if arg == TINY_NAME:
-        return str(tiny_random_checkpoint(TINY_RANDOM, log=lambda msg: print(msg, file=sys.stderr)))
-    if arg is not None:
-        return arg
-    for folder in [LOCAL_WEIGHTS] if LOCAL_WEIGHTS is not None else resources.local_weights_candidates():
-        if (folder / "config.json").exists():
-            return str(folder)
-    return DEFAULT_MODEL_ID
-
-
-def positive_int(text: str) -> int:
-    """argparse type of a count flag: an integer >= 1, else a message naming the value."""
-    return int_at_least(1)(text)
-
-
-def int_at_least(low: int):
-    """argparse type: an integer >= ``low`` (flags refuse a nonsensical count when they are parsed, not later)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-
-    return parse
-
-
-def positive_float(text: str) -> float:
-    """argparse type of a duration flag: a finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
 
 def _serve(args: list[str]) -> int:
     try:
-        from .server.cli import main as serve
+        from ..server import app  # noqa: F401 - the serve extra's packages, before anything else (even --help)
+        from .serve import main as serve
     except ImportError as e:
         if (e.name or "").split(".")[0] not in _SERVE_MODULES:
             raise
@@ -91,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     if args and args[0] == "serve":
         return _serve(args[1:])
     if args and args[0] == "transcribe":
-        from .transcribe_cli import main as transcribe_files
+        from .transcribe import main as transcribe_files
 
         return transcribe_files(args[1:])
     parser = argparse.ArgumentParser(
@@ -112,12 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import glmasr
-    from glmasr.resources import sample_audio
+    from glmasr.checkpoint.resources import sample_audio
 
     files = args.audio or [str(sample_audio())]
     try:
         t0 = time.perf_counter()
-        asr = glmasr.load(_pick_model(args.model), device=args.device, dtype=args.dtype)
+        asr = glmasr.load(pick_model(args.model), device=args.device, dtype=args.dtype)
         t_load = time.perf_counter() - t0
         print(f"loaded {asr.folder} on {asr.device} ({str(asr.dtype).replace('torch.', '')}) in {t_load:.2f} s",
               file=sys.stderr)

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from ..errors import VadCancelled, VadUnavailableError
 
 SAMPLE_RATE = 16000
 WINDOW = 512  # samples per window (32 ms)
@@ -66,14 +67,6 @@ DEFAULT_TOL = 1e-3
 _FRONT_END_CHUNK = 8192
 # Steps of the CPU recurrence between two looks at ``cancel`` (~0.1 s of work on a small CPU).
 _CANCEL_EVERY = 64
-
-
-class VadUnavailableError(ImportError):
-    """The ``silero-vad`` wheel (the source of the weights) is not installed."""
-
-
-class VadCancelled(RuntimeError):
-    """The ``cancel`` event was set while the probabilities were being computed."""
 
 
 def _check(cancel) -> None:
@@ -254,7 +247,7 @@ def _conv3(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stride: in
 
 
 def _device(device) -> torch.device:
-    from glmasr.device import resolve_device
+    from glmasr.models.device import resolve_device
 
     return resolve_device(device)
 

@@ -13,16 +13,25 @@ Caches go to a user-writable folder, never into the package or the source tree: 
 from __future__ import annotations
 
 import importlib.resources
+import os
 from pathlib import Path
-
-from .options import cache_dir
 
 SAMPLE_AUDIO = "speech_en.flac"
 REAL_WEIGHTS_NAME = "GLM-ASR-Nano-2512"
 
 
+def cache_dir() -> Path:
+    """User-writable cache root: $GLMASR_CACHE_DIR, else $XDG_CACHE_HOME/glmasr, else ~/.cache/glmasr."""
+    env = os.environ.get("GLMASR_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "glmasr"
+
+
 def _package_dir() -> Path:
-    return Path(str(importlib.resources.files(__package__)))
+    """The ``glmasr`` package's folder (the data ships inside it: glmasr/configs, glmasr/assets)."""
+    return Path(str(importlib.resources.files("glmasr")))
 
 
 def checkout_root() -> Path | None:

@@ -14,10 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-
-class ConfigError(ValueError):
-    """A checkpoint config that is malformed or describes a model this engine cannot run."""
+from ..errors import ConfigError
 
 
 def _rope_fields(section: dict, where: str) -> tuple[float, float | None]:

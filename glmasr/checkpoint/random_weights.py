@@ -47,7 +47,7 @@ CHAT_TEMPLATE = (
 
 def config_path(name: str) -> Path:
     """Path of a shipped config (``tiny-random`` or ``glm-asr-nano-2512``), from the installed package or the
-    source checkout (``glmasr.resources``)."""
+    source checkout (``glmasr.checkpoint.resources``)."""
     return config_file(name)
 
 
@@ -160,7 +160,7 @@ def _stamp_matches(folder: Path, stamp: dict) -> bool:
 
 def ensure_tiny_checkpoint(folder: str | Path | None = None, log=None) -> Path:
     """The tiny random checkpoint of ``--model tiny-random`` (seed 0, shipped layout), built once into ``folder``
-    (default: ``glmasr.resources.cache_dir() / "tiny-random"``, user-writable, outside the package) and reused
+    (default: ``glmasr.checkpoint.resources.cache_dir() / "tiny-random"``, user-writable, outside the package) and reused
     while its stamp matches the shipped tiny config. Built in a temporary sibling folder and renamed into place,
     so an interrupted or concurrent build never leaves a half-written checkpoint behind. ``log(message)`` is
     called before a build."""

@@ -22,15 +22,12 @@ import json
 import threading
 import warnings
 from pathlib import Path
+from ..errors import TokenizerError
 
 DEFAULT_PROMPT = "Please transcribe this audio into text"
 AUDIO_TOKEN = "<|pad|>"
 USER, ASSISTANT = "<|user|>", "<|assistant|>"
 BEGIN_AUDIO, END_AUDIO = "<|begin_of_audio|>", "<|end_of_audio|>"
-
-
-class TokenizerError(RuntimeError):
-    pass
 
 
 def build_instruction(prompt: str | None, hotwords: list[str], default: str | None = None) -> str | None:

@@ -1,4 +1,4 @@
-"""Audio input: files, numpy arrays and torch tensors to 16 kHz mono float32, then 30 s windows.
+"""Encoded audio (a file, bytes, a seekable file object) -> 16 kHz mono float32 ``Audio``.
 
 - Files are read with ``soundfile`` (libsndfile: wav, flac, ogg/vorbis, opus, mp3 and more), always as float32
   in [-1, 1) whatever the stored PCM format. Containers libsndfile cannot read (MP4/M4A/MOV, WebM/Matroska and
@@ -11,22 +11,15 @@
   what could be decoded, one ``AudioWarning`` naming the file and the missing duration, and ``Audio.truncated``
   / ``Audio.expected_duration_s`` say so. Cut Ogg files, ADTS streams and WAVs with a streaming placeholder size
   declare no length to check against.
-- Arrays/tensors: float data is taken as is (float16, bfloat16 and the other float types converted to
-  float32); integer PCM is scaled to [-1, 1) (int16 by 1/32768, int32 by 1/2^31, uint8 centred at 128). Other
-  sample types (bool, complex, object, strings, ...) raise ``AudioError`` naming the input and the dtype.
-- Several channels are averaged to mono. A 2-D array is (samples, channels) or (channels, samples): the axis
-  with at most 16 entries is the channel axis.
-- Any other sample rate is resampled to 16 kHz with ``soxr`` (the SoX resampler, "HQ" quality): a band-limited
-  polyphase resampler with a steep anti-alias filter, far more accurate than linear interpolation, fast on the
-  CPU, and the default resampler of librosa, which is what Whisper-family models were usually fed.
+- Several channels are averaged to mono and any other sample rate is resampled to 16 kHz (``resampler.py``:
+  soxr "HQ").
 - Files are decoded in blocks of ``READ_BLOCK_BYTES`` (whatever the channel count), each mixed to mono (the
   float64 channel mean, bit for bit), checked for NaN/inf, counted against the duration limit and resampled to
   16 kHz as it comes (``soxr.ResampleStream``: bit for bit one ``soxr.resample`` call over the whole signal), so
   a file's full-rate signal is never held whole, except where the threads below hold its mono mix at up to
   ``PARALLEL_MAX_RATE`` (48 kHz: at most 3x the 16 kHz output). Long files (>= ``PARALLEL_MIN_S``) in PCM
   wav/aiff, flac or mp3 at up to ``PARALLEL_MAX_RATE`` are decoded on threads, each with its own libsndfile
-  handle (these formats seek sample-exactly: bit-equal to one sequential read). ``resample`` (arrays) runs long
-  audio in blocks on threads where at least 4 CPUs are usable (within float32 rounding of one soxr call).
+  handle (these formats seek sample-exactly: bit-equal to one sequential read).
 - Limits, checked before a sample is decoded (a WAV's from its own header, even where libsndfile would refuse
   it): a sample rate in [``MIN_FILE_RATE``, ``MAX_FILE_RATE``] = [1000, 384000] Hz and at most
   ``MAX_FILE_CHANNELS`` = 64 channels (7th-order ambisonics; 22.2 sound is 24; FLAC stops at 8), else
@@ -64,28 +57,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from .features import SAMPLE_RATE, WINDOW_SAMPLES
-from .options import audio_threads
+from ..errors import (AudioDecodeError, AudioError, AudioTooLongError, AudioWarning, EmptyAudioFileError,
+                      InvalidAudioError, TruncatedAudioError, UnsupportedAudioError, UnsupportedFormatError)
+from . import resampler as _rs
+from .features import SAMPLE_RATE
 
-MAX_CHANNELS = 16  # arrays: the axis with at most this many entries is the channel axis
 MIN_FILE_RATE = 1000  # files and uploads: sample rates outside [MIN_FILE_RATE, MAX_FILE_RATE] are refused
 MAX_FILE_RATE = 384_000
 MAX_FILE_CHANNELS = 64  # files and uploads: more channels are refused
 MAX_CODEC_FRAME_SAMPLES = 1 << 17  # PyAV: decoded codec frames (per channel) above this are refused
 
-PARALLEL_MIN_S = 60.0  # files at least this long decode on threads (arrays: resample on threads)
 PARALLEL_MAX_RATE = 48000  # threaded decode only up to this rate (it holds the mono mix at the file's rate)
-AUDIO_THREADS: int | None = None  # None: $GLMASR_AUDIO_THREADS, else the usable CPUs (at most 8); 1 = no threads
 READ_BLOCK_BYTES = 1 << 19  # float32 bytes (all channels) per file read block: bounds a block whatever the channels
-READ_BLOCK_FRAMES = 1 << 18  # at most this many frames per read block, and per mono mix of an array
 SALVAGE_READ_FRAMES = 256  # read size when recovering what precedes damage without libsndfile's own read call
 DECODE_BLOCKS_PER_THREAD = 4
-RESAMPLE_BLOCKS_PER_THREAD = 4
-RESAMPLE_THREADS: int | None = None  # None: the decode threads where at least RESAMPLE_MIN_CPUS are usable, else 1
-RESAMPLE_MIN_CPUS = 4  # on the 2-vCPU host block resampling was measured no faster than one soxr call
-RESAMPLE_OVERLAP_S = 0.5  # input each resampling block sees beyond its ends
 LOSSY_TOLERANCE_S = 0.05  # shortfall against a lossy header's duration still counted as whole (codec frames)
 
 _PCM_CONTAINERS = {"WAV", "WAVEX", "RF64", "W64", "AIFF", "CAF", "AU"}
@@ -96,78 +82,11 @@ _UNKNOWN_FRAMES = 1 << 62  # a frame count from libsndfile at or above this mean
 _WAV_MAX_CHUNKS = 4096  # RIFF chunks walked looking for fmt/data (a file of tiny chunks must not cost seconds)
 
 
-class AudioError(ValueError):
-    """Audio that cannot be used: missing, unreadable, empty, non-finite or with a bad sample rate."""
-
-
-class AudioDecodeError(AudioError):
-    """Encoded audio (a file or bytes) that cannot be used. ``code``: the kind, stable for callers to branch on (the
-    server answers with it); ``format``: the format detected, when one was (e.g. "FLAC/PCM_16", "M4A (aac)")."""
-
-    code = "invalid_audio"
-
-    def __init__(self, message: str, *, format: str | None = None):
-        super().__init__(message)
-        self.format = format
-
-
-class EmptyAudioFileError(AudioDecodeError):
-    """The file or upload has no bytes at all."""
-
-    code = "empty_file"
-
-
-class InvalidAudioError(AudioDecodeError):
-    """Not decodable (not audio, corrupt, no audio stream) or decoded to nothing usable (no samples, NaN/inf)."""
-
-    code = "invalid_audio"
-
-
-class TruncatedAudioError(InvalidAudioError):
-    """Shorter than its header declares, or damaged part-way; raised only where truncation is refused
-    (``decode_audio_bytes(..., allow_truncated=False)``), else the audio is used with an ``AudioWarning``."""
-
-
-class UnsupportedFormatError(AudioDecodeError):
-    """A recognised format whose decoder is not installed (MP4/M4A/WebM/AAC without PyAV)."""
-
-    code = "unsupported_format"
-
-
-class UnsupportedAudioError(AudioDecodeError):
-    """Audio whose parameters are outside what this reader decodes, refused before it is decoded: ``field`` is
-    "sample_rate" (outside [``MIN_FILE_RATE``, ``MAX_FILE_RATE``] Hz), "channels" (more than
-    ``MAX_FILE_CHANNELS``) or "frame_samples" (PyAV: codec frames of more than ``MAX_CODEC_FRAME_SAMPLES``);
-    ``value``: what the file has; ``limit``: the bound it breaks."""
-
-    code = "unsupported_audio"
-
-    def __init__(self, message: str, *, format: str | None = None, field: str, value: int, limit: int):
-        super().__init__(message, format=format)
-        self.field, self.value, self.limit = field, value, limit
-
-
-class AudioTooLongError(AudioDecodeError):
-    """Longer than the ``max_duration_s`` limit. ``duration_s``: what the header declares (None when refused while
-    decoding); ``decoded_s``: how far decoding got before it stopped (None when refused from the header)."""
-
-    code = "audio_too_long"
-
-    def __init__(self, message: str, *, format: str | None = None, limit_s: float | None = None,
-                 duration_s: float | None = None, decoded_s: float | None = None):
-        super().__init__(message, format=format)
-        self.limit_s, self.duration_s, self.decoded_s = limit_s, duration_s, decoded_s
-
-
 def _prefixed(e: AudioError, prefix: str) -> AudioError:
     """``e`` (same class and attributes) with its message led by ``prefix``."""
     new = copy.copy(e)
     new.args = (f"{prefix}: {e}",)
     return new
-
-
-class AudioWarning(UserWarning):
-    """Audio that is used but is not what it claims to be (a file shorter than its header declares)."""
 
 
 @dataclass
@@ -193,154 +112,6 @@ class Audio:
         if self.expected_duration_s is None:
             return 0.0
         return max(0.0, self.expected_duration_s - self.duration_s)
-
-
-def _unsupported_dtype(source: str, dtype) -> AudioError:
-    return AudioError(f"{source}: unsupported sample dtype {dtype}; audio must be float (float16/bfloat16/"
-                      f"float32/float64) or integer PCM (int8/int16/int32/int64/uint8) samples")
-
-
-def _tensor_to_numpy(t: torch.Tensor, source: str) -> np.ndarray:
-    """A torch tensor's samples as numpy: float types other than float32/float64 (float16, bfloat16, float8,
-    which numpy lacks or handles poorly) become float32; bool and complex are refused, naming the dtype."""
-    if t.dtype == torch.bool or t.is_complex():
-        raise _unsupported_dtype(source, t.dtype)
-    t = t.detach()
-    if t.is_floating_point() and t.dtype not in (torch.float32, torch.float64):
-        t = t.to(torch.float32)
-    try:
-        return t.cpu().numpy()
-    except (TypeError, RuntimeError) as e:  # a dtype or layout numpy cannot hold (sparse, quantized, ...)
-        raise AudioError(f"{source}: cannot read samples of dtype {t.dtype} ({e})") from None
-
-
-def _to_float(data: np.ndarray, source: str) -> np.ndarray:
-    if data.dtype == np.bool_:
-        raise _unsupported_dtype(source, data.dtype)
-    if np.issubdtype(data.dtype, np.floating):
-        return data.astype(np.float32, copy=False)
-    if data.dtype == np.uint8:
-        return (data.astype(np.float32) - 128.0) / 128.0
-    if np.issubdtype(data.dtype, np.signedinteger):
-        scale = float(2 ** (8 * data.dtype.itemsize - 1))
-        return (data.astype(np.float64) / scale).astype(np.float32)
-    raise _unsupported_dtype(source, data.dtype)
-
-
-def _to_mono(data: np.ndarray, source: str) -> np.ndarray:
-    if data.ndim == 1:
-        return data
-    if data.ndim != 2:
-        raise AudioError(f"{source}: audio must be 1-D (samples) or 2-D (samples x channels), got shape {data.shape}")
-    rows, cols = data.shape
-    if cols <= MAX_CHANNELS and (rows > MAX_CHANNELS or cols <= rows):
-        return _blockwise_mean(data, axis=1)
-    if rows <= MAX_CHANNELS:
-        return _blockwise_mean(data, axis=0)
-    raise AudioError(f"{source}: cannot tell the channel axis of shape {data.shape} (neither axis has <= "
-                     f"{MAX_CHANNELS} entries)")
-
-
-def _threads() -> int:
-    """Threads for decoding/resampling long audio: ``AUDIO_THREADS``, else $GLMASR_AUDIO_THREADS, else the CPUs
-    this process may run on (at most 8)."""
-    if AUDIO_THREADS is not None:
-        return max(1, int(AUDIO_THREADS))
-    env = audio_threads()
-    if env is not None:
-        return env
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, min(8, n))
-
-
-def _resample_threads() -> int:
-    n = _threads()
-    return n if n >= RESAMPLE_MIN_CPUS else 1
-
-
-def _mix(block: np.ndarray) -> np.ndarray:
-    """(frames, channels) float32 -> mono float32, exactly as ``_to_mono`` does it."""
-    if block.shape[1] == 1:
-        return block[:, 0].copy()
-    return _channel_mean(block, axis=1)
-
-
-def _channel_mean(block: np.ndarray, axis: int) -> np.ndarray:
-    """The float64 mean over the channel ``axis``, as float32, bit for bit what ``block.mean(axis, dtype=float64)``
-    gives: below 8 channels numpy's reduction adds the channels in order (no pairwise split), so one float64
-    accumulator per sample adding channel after channel is the same arithmetic, 10x faster than numpy's reduction
-    over a short axis."""
-    channels = block.shape[axis]
-    if channels >= 8:
-        return block.mean(axis=axis, dtype=np.float64).astype(np.float32)
-    take = (lambda c: block[:, c]) if axis == 1 else (lambda c: block[c])
-    acc = take(0).astype(np.float64)
-    for c in range(1, channels):
-        acc += take(c)
-    acc /= channels
-    return acc.astype(np.float32)
-
-
-def _blockwise_mean(data: np.ndarray, axis: int) -> np.ndarray:
-    """``_channel_mean`` READ_BLOCK_FRAMES samples at a time (each sample's mean only involves its own channels, so
-    blocks change nothing), keeping the float64 temporaries in cache: an hour of 44.1 kHz stereo mixes in 0.2 s,
-    against 4-9 s for one ``mean(axis=1, dtype=float64)``."""
-    n = data.shape[1 - axis]
-    if n <= READ_BLOCK_FRAMES:
-        return _channel_mean(data, axis)
-    out = np.empty(n, np.float32)
-    for i in range(0, n, READ_BLOCK_FRAMES):
-        block = data[i:i + READ_BLOCK_FRAMES] if axis == 1 else data[:, i:i + READ_BLOCK_FRAMES]
-        out[i:i + READ_BLOCK_FRAMES] = _channel_mean(block, axis)
-    return out
-
-
-def resample(samples: np.ndarray, rate: int, target: int = SAMPLE_RATE, threads: int | None = None) -> np.ndarray:
-    """soxr HQ resampling of mono (1-D) or (frames, channels) samples to ``target`` Hz.
-
-    ``threads`` (default: ``RESAMPLE_THREADS``, else the decode threads when at least ``RESAMPLE_MIN_CPUS`` CPUs
-    are usable, else 1): with more than one, mono signals of at least ``PARALLEL_MIN_S`` seconds are resampled in
-    blocks on that many threads. Not on small hosts: on 2 vCPUs it was slower than one soxr call (an hour at
-    44.1 kHz: 0.74-1.54 s on 2 threads against 0.49-0.52 s; scripts/bench/audio_decode.py).
-    The blocks start on the rates' common period (``rate / gcd`` input samples = ``target / gcd`` output samples,
-    so every block's output grid is the one-shot grid); each is resampled with ``RESAMPLE_OVERLAP_S`` of input on
-    both sides (far longer than the HQ filter) and the overlap is cut off. The first block starts and the last
-    ends where the signal does, as in one call, so the length is soxr's. Difference from one call: float32
-    rounding only (measured <= 3.3e-7 absolute, a few float32 ulps, on noise plus a tone peaking near 1 at 8,
-    22.05, 44.056, 44.1 and 48 kHz; the tests hold it to 1e-6)."""
-    if rate == target:
-        return samples
-    import soxr
-
-    if threads is None:
-        threads = RESAMPLE_THREADS if RESAMPLE_THREADS is not None else _resample_threads()
-    threads = max(1, int(threads))
-    n = samples.shape[0]
-    g = math.gcd(int(rate), int(target))
-    p, q = int(rate) // g, int(target) // g
-    overlap = -(-int(RESAMPLE_OVERLAP_S * rate) // p) * p
-    units = n // p  # whole periods
-    if threads > 1 and samples.ndim == 1 and n >= PARALLEL_MIN_S * rate and units * p >= 8 * overlap:
-        nblocks = max(2, min(threads * RESAMPLE_BLOCKS_PER_THREAD, units * p // (2 * overlap)))
-        bounds = [round(i * units / nblocks) * p for i in range(nblocks)] + [n]
-        out = np.empty(-(-n * q // p) + 1, np.float32)  # soxr gives about n * q / p (rounded): trimmed below
-
-        def block(i: int) -> int:
-            s, e = bounds[i], bounds[i + 1]
-            a, b = max(0, s - overlap), min(n, e + overlap)
-            y = soxr.resample(samples[a:b], rate, target, quality="HQ")
-            lo, at = (s - a) // p * q, s // p * q
-            m = y.shape[0] - lo if i == nblocks - 1 else (e - s) // p * q
-            out[at:at + m] = y[lo:lo + m]
-            return at + m
-
-        with ThreadPoolExecutor(min(threads, nblocks)) as pool:
-            end = list(pool.map(block, range(nblocks)))[-1]
-        return out[:end]
-    return soxr.resample(samples, rate, target, quality="HQ").astype(np.float32, copy=False)
 
 
 # ---------------------------------------------------------------------------------------------------- files
@@ -474,7 +245,7 @@ def _limit_frames(max_s: float | None, rate: int) -> int | None:
 def _block_frames(channels: int) -> int:
     """Frames per read block: ``READ_BLOCK_BYTES`` of float32 whatever the channel count (at least one frame), and
     at most ``READ_BLOCK_FRAMES``."""
-    return max(1, min(READ_BLOCK_FRAMES, READ_BLOCK_BYTES // (4 * max(1, channels))))
+    return max(1, min(_rs.READ_BLOCK_FRAMES, READ_BLOCK_BYTES // (4 * max(1, channels))))
 
 
 def _too_long(label: str, fmt: str, limit_s: float, duration_s: float | None = None,
@@ -526,7 +297,7 @@ class _Sink:
             self.put_mixed(block.copy())
             return
         with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf in the file: counted and refused, not warned
-            self.put_mixed(_mix(block))
+            self.put_mixed(_rs.mix(block))
 
     def put_mixed(self, m: np.ndarray) -> None:
         """A block already mixed (mono) or copied (not mono), the sink's to keep."""
@@ -568,7 +339,7 @@ class _Blocks(list):
             self.append(block.copy())
             return
         with np.errstate(invalid="ignore", over="ignore"):
-            self.append(_mix(block))
+            self.append(_rs.mix(block))
 
 
 @dataclass
@@ -739,7 +510,7 @@ def _sf_parallel(src: _Source, frames: int, threads: int, stop: int | None, fram
     end (or to ``stop``). Returns the frames decoded; None if any range came back short or failed (a truncated
     file, a wrong frame count): the sink has then taken part of the audio, and the caller decodes sequentially
     into a fresh one, which finds where the damage is."""
-    nblocks = max(threads, min(threads * DECODE_BLOCKS_PER_THREAD, frames // (4 * READ_BLOCK_FRAMES)))
+    nblocks = max(threads, min(threads * DECODE_BLOCKS_PER_THREAD, frames // (4 * _rs.READ_BLOCK_FRAMES)))
     bounds = [round(i * frames / nblocks) for i in range(nblocks)] + [stop]
     with ThreadPoolExecutor(min(threads, nblocks)) as pool:
         futures = [pool.submit(_sf_read_range, src, bounds[i], bounds[i + 1], sink.mono, frames_per_block)
@@ -785,10 +556,10 @@ def _sf_decode(src: _Source, mono: bool, max_s: float | None, wav: _WavHeader | 
         stop = None if limit is None else limit + 1  # one frame past the limit is enough to refuse
         per_block = _block_frames(channels)
         sink = _Sink(src.label, name, rate, channels, mono, max_s)
-        threads = _threads()
+        threads = _rs.threads()
         done, error = None, None
         if (threads > 1 and not unknown and rate <= PARALLEL_MAX_RATE and f.seekable()
-                and frames >= PARALLEL_MIN_S * rate and (limit is None or frames <= limit)
+                and frames >= _rs.PARALLEL_MIN_S * rate and (limit is None or frames <= limit)
                 and (fmt in _EXACT_SEEK_FORMATS or (fmt in _PCM_CONTAINERS and subtype in _PCM_SUBTYPES))):
             done = _sf_parallel(src, frames, threads, stop, per_block, sink)
             if done is None:
@@ -1029,20 +800,6 @@ def _truncation_message(source: str, dec: _Decoded) -> str:
     return msg + (f" ({dec.error})" if dec.error else "")
 
 
-def _samples_16k(data, rate, source: str, error: type[AudioError]) -> np.ndarray:
-    """Checked samples at ``rate`` -> 16 kHz mono float32; the checks raise ``error`` (InvalidAudioError for
-    decoded audio, so a bad file or upload keeps its typed code)."""
-    if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) or not 1000 <= int(rate) <= 768000:
-        raise error(f"{source}: sampling_rate must be an integer in [1000, 768000] Hz, got {rate!r}")
-    data = _to_mono(_to_float(np.asarray(data), source), source)
-    if data.shape[0] == 0:
-        raise error(f"{source}: audio is empty (0 samples)")
-    if not np.isfinite(data).all():
-        bad = int((~np.isfinite(data)).sum())
-        raise error(f"{source}: audio has {bad} NaN or infinite samples")
-    return np.ascontiguousarray(resample(data, int(rate)), dtype=np.float32)
-
-
 def _decoded_audio(dec: _Decoded, source: str, sampling_rate: int | None, allow_truncated: bool) -> Audio:
     """A mono decode of a file or bytes -> ``Audio`` (rate check, truncation warning or refusal, the sample
     checks; the samples are already 16 kHz)."""
@@ -1144,39 +901,3 @@ def decode_audio_file(file, name: str | None = None, max_duration_s: float | Non
 def _check_max_duration(max_duration_s) -> None:
     if max_duration_s is not None and not max_duration_s > 0:
         raise ValueError(f"max_duration_s must be a positive number of seconds or None, got {max_duration_s!r}")
-
-
-def load_audio(audio, sampling_rate: int | None = None, source: str | None = None) -> Audio:
-    """One input (path, numpy array or torch tensor) -> 16 kHz mono float32 ``Audio``.
-
-    ``sampling_rate`` is required for arrays/tensors and, for files, must match the file's rate if given.
-    ``source``: how messages name the input (e.g. "audio 3" for the fourth item of a batch); the default is
-    the path, or "ndarray/Tensor of shape (...), dtype ...". Every AudioError starts with it, and so does the
-    ``AudioWarning`` for a truncated file (issued once per call; the result's ``truncated`` says so too).
-    Files decode as ``decode_audio_bytes`` does and raise the same ``AudioDecodeError`` kinds.
-    """
-    if isinstance(audio, Audio):
-        return audio
-    if isinstance(audio, (str, os.PathLike)):
-        try:
-            dec = _decode_path(audio, mono=True)
-        except AudioError as e:  # these already name the path
-            raise (e if source is None else _prefixed(e, source)) from None
-        source = str(audio) if source is None else f"{source} ({audio})"
-        return _decoded_audio(dec, source, sampling_rate, allow_truncated=True)
-    if isinstance(audio, (np.ndarray, torch.Tensor)):
-        what = f"{type(audio).__name__} of shape {tuple(audio.shape)}, dtype {audio.dtype}"
-        source = what if source is None else f"{source} ({what})"
-        if sampling_rate is None:
-            raise AudioError(f"{source}: pass sampling_rate= with raw audio arrays (e.g. 16000)")
-        data = _tensor_to_numpy(audio, source) if isinstance(audio, torch.Tensor) else np.asarray(audio)
-        return Audio(samples=_samples_16k(data, sampling_rate, source, AudioError), source=source)
-    raise AudioError(f"{'' if source is None else source + ': '}unsupported audio input type "
-                     f"{type(audio).__name__}: pass a file path, a numpy array or a torch tensor")
-
-
-def split_windows(samples: np.ndarray) -> list[np.ndarray]:
-    """Non-overlapping 30 s windows, like the reference processor (the last may be shorter)."""
-    n = samples.shape[0]
-    count = max(1, -(-n // WINDOW_SAMPLES))
-    return [samples[i * WINDOW_SAMPLES: min((i + 1) * WINDOW_SAMPLES, n)] for i in range(count)]

@@ -31,7 +31,7 @@ the audio done); elsewhere (a log, a pipe) a line when the run starts and one pe
 Ctrl-C: the first stops the run: the files in progress are dropped, the outputs of finished files are kept (none
 is half-written), one line says so, and the exit status is 130; a second Ctrl-C ends the process at once.
 
-``--devices cuda:0,cuda:1`` (or ``cpu,cpu``) runs one engine process per device (``glmasr.parallel``): files go
+``--devices cuda:0,cuda:1`` (or ``cpu,cpu``) runs one engine process per device (``glmasr.workers``): files go
 to whichever worker has room, outputs are written as each file finishes, and the files of a worker that dies are
 retried on another (``--retries``), a file that kills every worker it meets being reported failed.
 """
@@ -53,7 +53,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cli import int_at_least, positive_float, positive_int
+from .common import int_at_least, pick_model, positive_float, positive_int
 
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".m4a", ".mp4", ".webm", ".aac", ".aif",
                   ".aiff", ".wma", ".mka", ".mkv"}
@@ -64,7 +64,7 @@ ETA_MIN_FRACTION = 0.1  # of the audio done before the time left is estimated (e
 
 
 def parse_formats(value: str) -> list[str]:
-    from .writers import FORMATS
+    from ..writers import FORMATS
 
     if value == "all":
         return list(FORMATS)
@@ -242,8 +242,7 @@ class _Run:
     def main(self) -> int:
         args = self.args
         import glmasr
-        from .cli import _pick_model
-        from .tokenizer import build_instruction
+        from ..checkpoint.tokenizer import build_instruction
 
         files, problems = collect_inputs(args.inputs)
         for msg in problems:
@@ -276,13 +275,13 @@ class _Run:
             if args.devices is not None:
                 if args.device is not None:
                     raise ValueError("give --device or --devices, not both")
-                from .parallel import DevicePool
+                from ..workers import DevicePool
 
-                self.pool = DevicePool(args.devices, model=_pick_model(args.model), dtype=args.dtype,
+                self.pool = DevicePool(args.devices, model=pick_model(args.model), dtype=args.dtype,
                                        decode=self.decode, retries=args.retries, file_timeout_s=args.file_timeout,
                                        **options)
             else:
-                self.asr = glmasr.load(_pick_model(args.model), device=args.device, dtype=args.dtype, **options)
+                self.asr = glmasr.load(pick_model(args.model), device=args.device, dtype=args.dtype, **options)
         except (glmasr.CheckpointError, glmasr.ConfigError, glmasr.TokenizerError, ValueError, TypeError) as e:
             self.progress.close()
             print(f"error: {e}", file=sys.stderr)
@@ -305,7 +304,7 @@ class _Run:
         loaded onto it now (once, before the loader threads need it)."""
         if self.args.segmentation == "windows":
             return "windows"
-        from . import vad
+        from ..audio import vad
 
         try:
             if device is None:
@@ -324,9 +323,9 @@ class _Run:
     # ---- one engine in this process ----
     def _prepare(self, i: int):
         """On a loader thread: the audio of file i, decoded, and its VAD pieces (None with windows)."""
-        from . import vad
-        from .audio import load_audio
-        from .pipeline import check_duration
+        from ..audio import vad
+        from ..audio import load_audio
+        from ..pipeline import check_duration
 
         if self.cancel.is_set():
             raise _Stopped()
@@ -403,9 +402,9 @@ class _Run:
 
     # ---- one engine process per device ----
     def _run_parallel(self) -> int:
-        """--devices: one engine process per device (glmasr.parallel.DevicePool), outputs written as results
+        """--devices: one engine process per device (glmasr.workers.DevicePool), outputs written as results
         come."""
-        from .parallel import WorkerStartError
+        from ..errors import WorkerStartError
 
         self.t0 = time.perf_counter()
         self.progress.working("starting the workers")
@@ -424,7 +423,7 @@ class _Run:
 
     # ---- results ----
     def _write(self, i: int, r) -> None:
-        from .writers import render
+        from ..writers import render
 
         f, outs = self.todo[i]
         try:

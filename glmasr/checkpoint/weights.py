@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from .config import GlmAsrConfig
+from ..models.config import GlmAsrConfig
+from ..errors import CheckpointError
 
 DEFAULT_MODEL_ID = "zai-org/GLM-ASR-Nano-2512"
 # The name of the offline smoke-test checkpoint (random weights, built on first use); it is looked up before
@@ -60,10 +61,6 @@ _PREFIXES = [
 _IGNORED = {"audio_tower.embed_positions.weight"}
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be found, read, or does not match the model."""
-
-
 def canonical_name(key: str) -> str | None:
     for src, dst in _PREFIXES:
         if key.startswith(src):
@@ -80,7 +77,7 @@ def tiny_random_checkpoint(folder: str | os.PathLike | None = None, log=None) ->
     """The ``tiny-random`` checkpoint's folder (``random_checkpoint.ensure_tiny_checkpoint``: built on first use
     into ``folder``, default the user cache; ``log(message)`` is called before a build). CheckpointError naming
     GLMASR_CACHE_DIR when it cannot be written."""
-    from .random_checkpoint import ensure_tiny_checkpoint
+    from .random_weights import ensure_tiny_checkpoint
 
     try:
         return ensure_tiny_checkpoint(folder, log=log)

@@ -34,13 +34,11 @@ import itertools
 import threading
 from collections import deque
 
-from ..audio import AudioError
-from ..engine.loop import EngineClosed, EngineError, RequestTimeoutError
-from ..workers.pool import Worker, WorkerPool
-from .engine_client import WARMUPS, EngineClient, EngineRequest, EngineUnavailable
+from ..errors import EngineClosed, EngineUnavailable, from_code
+from .pool import Worker, WorkerPool
+from .engine_client import WARMUPS, EngineClient, EngineRequest
 
 _TEST_HOOKS: dict = {}  # test hooks for every client made without _test_hooks (tests set it in a server process)
-_ERRORS = {"audio": AudioError, "value": ValueError, "closed": EngineClosed, "timeout": RequestTimeoutError}
 
 
 class _Inbox:
@@ -109,7 +107,7 @@ class RemoteRequest(EngineRequest):
     def _error(msg) -> BaseException:
         if msg[0] == "died":
             return EngineUnavailable(msg[1], msg[2])
-        return _ERRORS.get(msg[1], EngineError)(msg[2])  # rejected or failed: (kind, message)
+        return from_code(msg[1], msg[2])  # rejected or failed: (code, message)
 
     async def started(self) -> None:
         msg = await self._inbox.get()

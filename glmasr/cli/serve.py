@@ -1,46 +1,21 @@
-"""``glmasr serve`` (also ``python -m glmasr.server``): load a checkpoint, warm it up, serve it with uvicorn.
+"""``glmasr serve`` (also ``python -m glmasr.cli serve``): load a checkpoint, warm it up, serve it with uvicorn.
 
 SIGTERM or SIGINT: the listening socket closes, uploads still arriving are refused at once (a 503 in the envelope),
 the admitted requests finish (up to ``--drain-timeout`` s; streams included), the engine stops, and the process exits
 with status 0.
 
 ``--data-parallel N [--devices cuda:0,cuda:1,...]``: this process is the front end (HTTP, decoding, limits,
-streaming, metrics) and N engine worker processes each own one loaded model (``data_parallel.py``); devices
+streaming, metrics) and N engine worker processes each own one loaded model (``glmasr.workers.requests``); devices
 default to cuda:0..N-1 (``cpu`` entries work too; an entry may repeat). SIGTERM then drains the workers too.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {'whole ' if kind is int else ''}number, got {text!r}")
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
-        return value
-    return parse
-
-
-def _port(text: str) -> int:
-    if not text.isdigit() or int(text) > 65535:
-        raise argparse.ArgumentTypeError(f"a port is a whole number in 0..65535, got {text!r}")
-    return int(text)
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
-    return value
+from .common import non_negative_float, pick_model, port, positive_float, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,48 +28,48 @@ def build_parser() -> argparse.ArgumentParser:
                    help="another name clients may send as `model` (repeatable); always served: glm-asr-nano-2512 "
                         "and the checkpoint folder's name")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--port", type=port, default=8000, help="port (default 8000; 0 = any free port)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $GLMASR_API_KEY, else none)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--data-parallel", type=int, default=None, metavar="N",
                    help="N engine worker processes, one model each (one per GPU), behind this front end")
-    p.add_argument("--worker-timeout", type=_non_negative, default=120.0, metavar="S",
+    p.add_argument("--worker-timeout", type=non_negative_float, default=120.0, metavar="S",
                    help="with --data-parallel: a worker whose engine makes no step for S seconds while it holds "
                         "requests is killed (its requests get a 503) and restarted (default 120; 0 = never)")
     p.add_argument("--devices", default=None, metavar="LIST",
                    help="the workers' devices with --data-parallel, comma-separated (default cuda:0..N-1; cpu "
                         "allowed, repeats allowed: cuda:0,cuda:0 runs two engines on one GPU)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on cuda, fp32 on cpu)")
-    p.add_argument("--max-batch", type=_positive(int), default=None,
+    p.add_argument("--max-batch", type=positive_int, default=None,
                    help="engine sequence slots (default 64 on CUDA, 8 on CPU)")
-    p.add_argument("--max-upload-mb", type=_positive(float), default=25.0, help="largest upload in MiB (default 25)")
-    p.add_argument("--max-audio-s", type=_non_negative, default=3600.0,
+    p.add_argument("--max-upload-mb", type=positive_float, default=25.0, help="largest upload in MiB (default 25)")
+    p.add_argument("--max-audio-s", type=non_negative_float, default=3600.0,
                    help="longest decoded audio per request in seconds (default 3600; 0 = no limit)")
-    p.add_argument("--max-queue", type=_positive(int), default=None,
+    p.add_argument("--max-queue", type=positive_int, default=None,
                    help="requests admitted to transcription at once (decoding, queued, running; uploads still "
                         "arriving are not counted); one more gets a 429 (default 4 x max-batch)")
-    p.add_argument("--max-uploads", type=_positive(int), default=256,
+    p.add_argument("--max-uploads", type=positive_int, default=256,
                    help="request bodies being received at once (each spooled to disk past 1 MiB); one more gets a "
                         "503 (default 256)")
-    p.add_argument("--max-connections", type=_positive(int), default=1024,
+    p.add_argument("--max-connections", type=positive_int, default=1024,
                    help="open connections; beyond, uvicorn answers 503 (default 1024)")
-    p.add_argument("--header-timeout", type=_positive(float), default=10.0, metavar="S",
+    p.add_argument("--header-timeout", type=positive_float, default=10.0, metavar="S",
                    help="seconds a connection has to send a complete request line and headers, from its opening or "
                         "from the first byte of its next request (default 10); then it is closed")
-    p.add_argument("--read-timeout", type=_positive(float), default=15.0, metavar="S",
+    p.add_argument("--read-timeout", type=positive_float, default=15.0, metavar="S",
                    help="longest pause while receiving a request body (default 15): then a 408")
-    p.add_argument("--upload-timeout", type=_positive(float), default=300.0, metavar="S",
+    p.add_argument("--upload-timeout", type=positive_float, default=300.0, metavar="S",
                    help="longest time to receive a whole request body (default 300): then a 408")
-    p.add_argument("--keep-alive-timeout", type=_positive(float), default=5.0, metavar="S",
+    p.add_argument("--keep-alive-timeout", type=positive_float, default=5.0, metavar="S",
                    help="an idle connection between requests is closed after S seconds (default 5)")
-    p.add_argument("--request-timeout", type=_non_negative, default=0.0, metavar="S",
+    p.add_argument("--request-timeout", type=non_negative_float, default=0.0, metavar="S",
                    help="a transcription still unfinished S seconds after it was admitted is stopped by the engine "
                         "(its slots freed) and answered with a 504 (default 0: no limit)")
     p.add_argument("--warmup", choices=("full", "request", "none"), default="full",
                    help="before /health reports ok: every kernel and graph (full, default), one short request, or "
                         "nothing")
-    p.add_argument("--drain-timeout", type=_non_negative, default=60.0,
+    p.add_argument("--drain-timeout", type=non_negative_float, default=60.0,
                    help="seconds in-flight requests may take to finish after SIGTERM (default 60)")
     p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     return p
@@ -105,20 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn  # noqa: F401 - the serve extra is installed (else the message below)
 
-        from .app import MIB, ServerConfig, create_app, served_names
-        from .http import HttpLimits, uvicorn_config
+        from ..server.app import MIB, ServerConfig, create_app, served_names
+        from ..server.http import HttpLimits, uvicorn_config
     except ImportError as e:
         print(f"error: the server needs the serve extra (pip install 'glmasr[serve]'): {e}", file=sys.stderr)
         return 2
     import glmasr
-    from glmasr.cli import _pick_model
 
-    from glmasr.options import api_key as env_api_key
-
-    api_key = args.api_key if args.api_key is not None else env_api_key()
+    api_key = args.api_key if args.api_key is not None else (os.environ.get("GLMASR_API_KEY") or None)
     data_parallel = args.data_parallel is not None or args.devices is not None
     try:
-        model = _pick_model(args.model)
+        model = pick_model(args.model)
         if data_parallel:
             engine = _data_parallel_client(args, model)
         else:
@@ -167,8 +139,8 @@ def _log_config(level: str) -> dict:
 
 
 def _data_parallel_client(args, model):
-    from ..parallel import parse_devices
-    from .data_parallel import DataParallelEngineClient
+    from ..workers import parse_devices
+    from ..workers.requests import DataParallelEngineClient
 
     if args.device is not None:
         raise ValueError("--device names the one engine's device; with --data-parallel give the workers' "

@@ -1,6 +1,6 @@
 """What the server's request handling (``serving.py``) talks to: an engine client, in front of one in-process engine
 (``LocalEngineClient``, over a loaded ``GlmAsr``) or of N engine worker processes
-(``data_parallel.DataParallelEngineClient``, ``glmasr serve --data-parallel N``). The HTTP layer never knows which.
+(``requests.DataParallelEngineClient``, ``glmasr serve --data-parallel N``). The HTTP layer never knows which.
 
     client.submit(audio, decode, t_start, audio_ms, pieces, stream) -> EngineRequest   (blocking; a worker thread)
     await request.started()        # the engine took it; raises what planning refused (AudioError, ValueError, ...)
@@ -24,15 +24,6 @@ from pathlib import Path
 from ..options import DecodeOptions
 
 WARMUPS = ("full", "request", "none")
-
-
-class EngineUnavailable(RuntimeError):
-    """No engine can take the request (``code`` "no_worker"), or the engine process serving it died while it was in
-    flight ("worker_died"). Answered with a 503; a later request is served once a worker is back."""
-
-    def __init__(self, message: str, code: str = "worker_died"):
-        super().__init__(message)
-        self.code = code
 
 
 class EngineRequest:
