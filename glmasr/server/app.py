@@ -181,7 +181,6 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
     app.state.admission = admitted
     app.state.uploads = uploads
     app.state.engine = engine
-    app.state.asr = getattr(engine, "asr", None)
     app.state.begin_drain = begin_drain
 
     @app.exception_handler(APIError)
