@@ -24,6 +24,8 @@ worker's pipe); the server answers each code one way (``glmasr.server.serving.ap
 
 from __future__ import annotations
 
+import functools
+
 
 class GlmAsrError(Exception):
     """Base of the package's errors; ``code`` is stable."""
@@ -167,6 +169,7 @@ class KernelFallbackWarning(UserWarning):
     """A part of the model runs on the plain PyTorch path because its config does not fit a kernel."""
 
 
+@functools.lru_cache(maxsize=1)  # every error class is defined above: the map is built once
 def _codes() -> dict[str, type[GlmAsrError]]:
     out: dict[str, type[GlmAsrError]] = {}
     stack = [GlmAsrError]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import os
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -75,6 +77,37 @@ def tiny_asr(tiny_shipped):
     import glmasr
 
     return glmasr.load(tiny_shipped, device="cpu")
+
+
+def pyav_encode(x, rate: int, fmt: str, codec: str, layout: str = "mono", path=None, options=None) -> bytes:
+    """Samples ((frames,) or (frames, channels), float in [-1, 1)) encoded with PyAV (FFmpeg) into the container
+    ``fmt`` with ``codec`` (e.g. AAC in mp4/m4a/adts, Opus in webm, float PCM in Matroska, ALAC), written to
+    ``path`` when given; returns the encoded bytes. ``options``: the muxer's (e.g. movflags)."""
+    import av
+
+    x = np.asarray(x, np.float32)
+    x = x[:, None] if x.ndim == 1 else x
+    target = io.BytesIO() if path is None else str(path)
+    with av.open(target, "w", format=fmt, options=options or {}) as c:
+        s = c.add_stream(codec, rate=rate, layout=layout)
+        if codec == "libopus":
+            s.codec_context.format = "flt"
+        sample_fmt = s.codec_context.format.name
+        step, pts = s.codec_context.frame_size or 4096, 0
+        for i in range(0, x.shape[0], step):
+            block = x[i:i + step]
+            arr = block.T if sample_fmt.endswith("p") else block.reshape(1, -1)
+            if sample_fmt.startswith(("s16", "s32")):  # integer PCM codecs (ALAC)
+                bits = 15 if sample_fmt.startswith("s16") else 31
+                arr = np.round(arr * (2 ** bits - 1)).astype(np.int16 if bits == 15 else np.int32)
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(arr), format=sample_fmt, layout=layout)
+            frame.sample_rate, frame.pts = rate, pts
+            pts += block.shape[0]
+            for packet in s.encode(frame):
+                c.mux(packet)
+        for packet in s.encode(None):
+            c.mux(packet)
+    return target.getvalue() if path is None else Path(path).read_bytes()
 
 
 def noise(seconds: float, seed: int, rate: int = 16000, scale: float = 0.1) -> np.ndarray:

@@ -11,7 +11,7 @@ import torch
 import glmasr
 from glmasr.audio import AudioError, load_audio, split_windows
 
-from conftest import noise
+from conftest import noise, pyav_encode
 
 
 def tone(seconds, rate, freq=440.0):
@@ -362,25 +362,10 @@ def test_source_label_leads_the_warning(tmp_path):
 
 def _encode(path, fmt, codec, rate, seconds, freq=440.0, channels=1, options=None):
     """Encode a sine with PyAV itself: AAC in mp4/m4a/adts, Opus in webm. Returns the mono source signal."""
-    av = pytest.importorskip("av")
+    pytest.importorskip("av")
     x = tone(seconds, rate, freq)
-    with av.open(str(path), "w", format=fmt, options=options or {}) as c:
-        s = c.add_stream(codec, rate=rate, layout="mono" if channels == 1 else "stereo")
-        if codec == "libopus":
-            s.codec_context.format = "flt"
-        sample_fmt = s.codec_context.format.name
-        step, pts = s.codec_context.frame_size or 1024, 0
-        for i in range(0, x.shape[0], step):
-            block = x[i:i + step]
-            planar = sample_fmt.endswith("p")
-            arr = np.tile(block, (channels, 1)) if planar else np.repeat(block, channels)[None]
-            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(arr), format=sample_fmt, layout=s.layout.name)
-            frame.sample_rate, frame.pts = rate, pts
-            pts += block.shape[0]
-            for packet in s.encode(frame):
-                c.mux(packet)
-        for packet in s.encode(None):
-            c.mux(packet)
+    pyav_encode(np.repeat(x[:, None], channels, 1), rate, fmt, codec, "mono" if channels == 1 else "stereo",
+                path=path, options=options)
     return x
 
 

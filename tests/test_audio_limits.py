@@ -22,7 +22,7 @@ from glmasr.audio import (Audio, AudioDecodeError, AudioTooLongError, AudioWarni
                           TruncatedAudioError, UnsupportedAudioError, decode_audio_bytes, decode_audio_file,
                           load_audio)
 
-from conftest import noise
+from conftest import noise, pyav_encode
 
 MIB = 1 << 20
 OUT_BYTES_PER_S = 16000 * 4  # the decoded 16 kHz mono float32
@@ -93,29 +93,8 @@ def with_unknown_length(data: bytes) -> bytes:
 
 def container(fmt, codec, rate, x, layout):
     """x (frames, channels) encoded with PyAV: e.g. AAC in m4a, float PCM in Matroska."""
-    av = pytest.importorskip("av")
-    b = io.BytesIO()
-    with av.open(b, "w", format=fmt) as c:
-        s = c.add_stream(codec, rate=rate, layout=layout)
-        if codec == "libopus":
-            s.codec_context.format = "flt"
-        sample_fmt = s.codec_context.format.name
-        step, pts = s.codec_context.frame_size or 4096, 0
-        for i in range(0, x.shape[0], step):
-            block = x[i:i + step]
-            arr = block.T if sample_fmt.endswith("p") else block.reshape(1, -1)
-            if sample_fmt.startswith(("s16", "s32")):  # integer PCM codecs (ALAC)
-                bits = 15 if sample_fmt.startswith("s16") else 31
-                arr = np.round(arr * (2 ** bits - 1)).astype(np.int16 if bits == 15 else np.int32)
-            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(arr, None if arr.dtype.kind == "i" else np.float32),
-                                               format=sample_fmt, layout=layout)
-            frame.sample_rate, frame.pts = rate, pts
-            pts += block.shape[0]
-            for packet in s.encode(frame):
-                c.mux(packet)
-        for packet in s.encode(None):
-            c.mux(packet)
-    return b.getvalue()
+    pytest.importorskip("av")
+    return pyav_encode(x, rate, fmt, codec, layout)
 
 
 def _same(a, b):

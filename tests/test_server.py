@@ -33,7 +33,7 @@ from glmasr.server import ServerConfig, create_app  # noqa: E402
 from glmasr.checkpoint.tokenizer import build_instruction  # noqa: E402
 
 from asgi_client import DisconnectingUpload  # noqa: E402
-from conftest import noise  # noqa: E402
+from conftest import noise, pyav_encode  # noqa: E402
 from live_server import KEY, MODEL, ServerProcess  # noqa: E402
 ENVELOPE = {"message", "type", "param", "code"}
 
@@ -175,19 +175,6 @@ def test_json_text_and_formats_equal_the_engine(client, clips, tc, asr):
         assert metric(after, name) - metric(before, name) == 7
 
 
-def encode_av(samples, fmt, codec, rate):
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=fmt) as c:
-        st = c.add_stream(codec, rate=rate, layout="mono")
-        fr = av.AudioFrame.from_ndarray((samples[None, :] * 32767).astype(np.int16), format="s16", layout="mono")
-        fr.sample_rate = rate
-        for pkt in [*st.encode(fr), *st.encode(None)]:
-            c.mux(pkt)
-    return buf.getvalue()
-
-
 def test_containers_through_pyav(client, asr, tmp_path):
     """m4a (AAC in MP4), webm (Opus) and ADTS AAC uploads decode with PyAV to exactly what load_audio gives for
     the file, so the text is the engine's for that file; the duration limit holds for them too."""
@@ -195,7 +182,7 @@ def test_containers_through_pyav(client, asr, tmp_path):
     for ext, fmt, codec, rate in [("m4a", "mp4", "aac", 16000), ("webm", "webm", "libopus", 48000),
                                   ("aac", "adts", "aac", 16000)]:
         try:
-            data = encode_av(noise(4, 6, rate=rate), fmt, codec, rate)
+            data = pyav_encode(noise(4, 6, rate=rate), rate, fmt, codec)
         except Exception as e:  # an FFmpeg build without that encoder
             pytest.skip(f"cannot encode {fmt}/{codec}: {e}")
         path = tmp_path / f"clip.{ext}"
@@ -430,7 +417,7 @@ def test_limits(asr, clips):
                      match="8 s")
         too_long = 3
         try:
-            m4a = encode_av(noise(10, 5), "mp4", "aac", 16000)
+            m4a = pyav_encode(noise(10, 5), 16000, "mp4", "aac")
         except ImportError:
             m4a = None
         if m4a is not None:  # a container: refused from its header too

@@ -45,7 +45,6 @@
 
 from __future__ import annotations
 
-import copy
 import io
 import math
 import os
@@ -80,13 +79,6 @@ _EXACT_SEEK_FORMATS = {"FLAC", "MP3"}  # besides uncompressed PCM: libsndfile se
 _LOSSLESS_FORMATS = _PCM_CONTAINERS | {"FLAC", "W64"}
 _UNKNOWN_FRAMES = 1 << 62  # a frame count from libsndfile at or above this means "unknown" (its SF_COUNT_MAX)
 _WAV_MAX_CHUNKS = 4096  # RIFF chunks walked looking for fmt/data (a file of tiny chunks must not cost seconds)
-
-
-def _prefixed(e: AudioError, prefix: str) -> AudioError:
-    """``e`` (same class and attributes) with its message led by ``prefix``."""
-    new = copy.copy(e)
-    new.args = (f"{prefix}: {e}",)
-    return new
 
 
 @dataclass

@@ -14,6 +14,7 @@ windows.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import numpy as np
@@ -21,10 +22,17 @@ import torch
 
 from ..errors import AudioError
 from . import resampler as _rs
-from .decode import Audio, _decode_path, _decoded_audio, _prefixed
+from .decode import Audio, _decode_path, _decoded_audio
 from .features import WINDOW_SAMPLES
 
 MAX_CHANNELS = 16  # arrays: the axis with at most this many entries is the channel axis
+
+
+def _prefixed(e: AudioError, prefix: str) -> AudioError:
+    """``e`` (same class and attributes) with its message led by ``prefix``."""
+    new = copy.copy(e)
+    new.args = (f"{prefix}: {e}",)
+    return new
 
 
 def _unsupported_dtype(source: str, dtype) -> AudioError:
