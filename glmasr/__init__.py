@@ -10,14 +10,14 @@
 from . import errors
 from .api import close_shared_model, transcribe, transcribe_stream
 from .errors import (AudioError, AudioWarning, CheckpointError, ConfigError, EngineClosed, EngineError,
-                     RequestTimeoutError, TokenizerError)
+                     RequestPreempted, RequestTimeoutError, TokenizerError)
 from .handle import GlmAsr, TranscriptionJob, load
 from .models.config import GlmAsrConfig
-from .options import DecodeOptions, EngineOptions
+from .options import DecodeOptions, EngineOptions, Priority
 from .results import Segment, Transcription, TranscriptDelta
 
 __all__ = ["load", "transcribe", "transcribe_stream", "GlmAsr", "TranscriptionJob", "Transcription",
            "TranscriptDelta", "DecodeOptions", "EngineOptions", "GlmAsrConfig", "AudioError", "CheckpointError",
            "ConfigError", "TokenizerError", "EngineError", "EngineClosed", "RequestTimeoutError", "AudioWarning",
-           "Segment", "close_shared_model", "errors"]
+           "RequestPreempted", "Priority", "Segment", "close_shared_model", "errors"]
 __version__ = "0.1.0"

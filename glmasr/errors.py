@@ -16,6 +16,7 @@ server's answers, the engine workers' pipes) branch on. Nothing here imports fro
     ├── EngineUnavailable ("worker_died" | "no_worker"): no engine process can take it, or the one serving it died
     ├── EngineClosed ("shutting_down"): the engine (or handle) is closed
     ├── RequestTimeoutError ("request_timeout"; a TimeoutError): the engine dropped it at its deadline
+    ├── RequestPreempted ("preempted"): the engine dropped a preemptible (draft-class) request to free its slot
     └── WorkerStartError ("worker_start_failed"): no worker process could load the model
 
 ``error_code(e)`` / ``from_code(code, message)``: an error as (code, message) and back (what travels through a
@@ -153,6 +154,13 @@ class RequestTimeoutError(GlmAsrError, TimeoutError):
     """A request the engine dropped because its deadline passed (queued or running)."""
 
     code = "request_timeout"
+
+
+class RequestPreempted(GlmAsrError, RuntimeError):
+    """A request of a preemptible priority class (``engine.request.Priority.DRAFT`` or worse) that the engine dropped
+    because a request of a better class needed its slot; optional work, not a failure of the request."""
+
+    code = "preempted"
 
 
 class WorkerStartError(GlmAsrError, RuntimeError):

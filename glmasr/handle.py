@@ -8,7 +8,9 @@ coroutines) can share one loaded model and each gets exactly what it would get a
 A handle lives until ``close()`` (or the end of its ``with`` block): that finishes the requests in hand, stops
 the engine thread and releases the model's tensors; later use raises ``EngineClosed``. A request may carry a
 timeout (``submit(..., timeout=)``, ``job.result(timeout=)``): the engine drops it once that has passed, queued
-or running, and the job raises ``RequestTimeoutError``.
+or running, and the job raises ``RequestTimeoutError``. And a priority class (``submit(..., priority=)``,
+``Priority``: default ``BATCH``): the engine serves better classes first, and a ``DRAFT`` may be preempted
+(``RequestPreempted``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .models.config import GlmAsrConfig
 from .models.device import resolve_device, resolve_dtype
 from .engine.engine import Engine
 from .engine.loop import EngineLoop, check_priority, check_timeout
+from .engine.request import Priority
 from .errors import EngineClosed
 from .engine.model_runner import check_batch_invariance
 from .models.glmasr import GlmAsrModel
@@ -196,12 +199,14 @@ class GlmAsr:
     # ---- requests ----
     def submit(self, audio, decode: DecodeOptions | None = None, sampling_rate: int | None = None,
                index: int = 0, pieces: list[tuple[float, float]] | None = None, *, timeout: float | None = None,
-               priority: int = 0) -> "TranscriptionJob":
+               priority: int = Priority.BATCH) -> "TranscriptionJob":
         """Load and plan one audio in this thread, queue it on the engine; returns at once. ``pieces``: your own
         segmentation, (start_s, end_s) stretches of at most 30 s, one prompt each (instead of
         ``decode.segmentation``); each becomes a segment with those times. ``timeout``: seconds from this call
         after which the engine drops the request, queued or running, and the job raises
-        ``RequestTimeoutError``. ``priority``: carried on the engine request (not used for admission yet)."""
+        ``RequestTimeoutError``. ``priority``: the request's class (``Priority``, or any int: lower is encoded and
+        admitted first); a running request of ``Priority.DRAFT`` or worse is preempted when better ones need its
+        slot, and the job raises ``RequestPreempted``."""
         deadline, timeout = self._deadline(timeout)
         priority = check_priority(priority)
         self._check_open()
@@ -213,10 +218,10 @@ class GlmAsr:
 
     def submit_loaded(self, audio: Audio, decode: DecodeOptions, index: int = 0, t_start: float | None = None,
                       audio_ms: float = 0.0, pieces: list[tuple[float, float]] | None = None, *,
-                      timeout: float | None = None, priority: int = 0) -> "TranscriptionJob":
+                      timeout: float | None = None, priority: int = Priority.BATCH) -> "TranscriptionJob":
         """``submit`` for audio already loaded (``t_start``: when the caller's request began, perf_counter;
         ``audio_ms``: what loading it took, both for the timings). ``timeout``: seconds from this call, enforced
-        by the engine (``RequestTimeoutError``)."""
+        by the engine (``RequestTimeoutError``); ``priority`` as in ``submit``."""
         deadline, timeout = self._deadline(timeout)
         return self._submit(audio, decode, index, t_start, audio_ms, pieces, deadline, timeout,
                             check_priority(priority))
@@ -227,7 +232,8 @@ class GlmAsr:
         return (None if timeout is None else time.monotonic() + timeout), timeout
 
     def _submit(self, audio: Audio, decode: DecodeOptions, index: int, t_start: float | None, audio_ms: float,
-                pieces, deadline: float | None, timeout_s: float | None, priority: int = 0) -> "TranscriptionJob":
+                pieces, deadline: float | None, timeout_s: float | None,
+                priority: int = Priority.BATCH) -> "TranscriptionJob":
         """Plan and queue; ``deadline``: a ``time.monotonic()`` instant (``timeout_s``: the timeout it stands
         for, named in the error)."""
         self._check_open()

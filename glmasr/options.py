@@ -1,5 +1,6 @@
 """Options: the per-request ``DecodeOptions`` (validated before any model work) and, re-exported, the engine's
-``EngineOptions`` (``glmasr/engine/options.py``).
+``EngineOptions`` (``glmasr/engine/options.py``) and request classes ``Priority`` (``glmasr/engine/request.py``:
+LIVE_FINAL 0, UPLOAD 1, BATCH 2, DRAFT 3; a lower value runs first, DRAFT is preemptible).
 
 Environment variables (each overrides the default; an explicit argument overrides the variable), read where they
 are used:
@@ -16,12 +17,14 @@ are used:
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from .engine.options import EngineOptions, check_positive_int
 from .engine.repetition import check_repetition_stop
+from .engine.request import Priority
 
-__all__ = ["DecodeOptions", "EngineOptions", "SEGMENTATIONS"]
+__all__ = ["DecodeOptions", "EngineOptions", "Priority", "SEGMENTATIONS"]
 
 SEGMENTATIONS = ("windows", "vad")
 
@@ -31,13 +34,18 @@ class DecodeOptions:
     """Per-request decoding options. prompt: replaces the default instruction; max_new_tokens: token budget per
     prompt (default grows with the audio's duration); ignore_eos: decode exactly max_new_tokens (timing);
     repetition_stop: opt-in runaway guard, end a prompt's text once it repeats one n-gram this many times in a
-    row over at least 16 tokens (finish_reason "repetition"; ``glmasr/engine/repetition.py``)."""
+    row over at least 16 tokens (finish_reason "repetition"; ``glmasr/engine/repetition.py``).
+    forced_prefix_ids: token ids forced as the start of the answer (prefilled after the prompt; decoding continues
+    after them; ``max_new_tokens`` counts only the tokens generated after them). Only for audio that forms one
+    prompt group (else planning raises a ValueError naming the field); ids must lie in the model's vocabulary and
+    not be its audio placeholder (checked at planning). The result's text and token ids include them."""
 
     prompt: str | None = None
     max_new_tokens: int | None = None
     ignore_eos: bool = False
     repetition_stop: int | None = None
     segmentation: str = "windows"  # "windows" (reference-exact) or "vad" (speech regions, <= 30 s pieces)
+    forced_prefix_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         check_positive_int("max_new_tokens", self.max_new_tokens)
@@ -48,3 +56,18 @@ class DecodeOptions:
         check_repetition_stop(self.repetition_stop)
         if self.segmentation not in SEGMENTATIONS:
             raise ValueError(f"segmentation must be one of {SEGMENTATIONS}, got {self.segmentation!r}")
+        object.__setattr__(self, "forced_prefix_ids", check_token_ids("forced_prefix_ids", self.forced_prefix_ids))
+
+
+def check_token_ids(name: str, ids) -> tuple[int, ...]:
+    """``ids`` (a tuple or list of ints >= 0) as a tuple of ints; a TypeError / ValueError naming ``name``."""
+    if not isinstance(ids, (tuple, list)):
+        raise TypeError(f"{name} must be a tuple or list of token ids, got {type(ids).__name__}")
+    out = []
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"{name}[{i}] must be an int token id, got {type(t).__name__}")
+        if t < 0:
+            raise ValueError(f"{name}[{i}] must be a token id >= 0, got {t}")
+        out.append(int(t))
+    return tuple(out)

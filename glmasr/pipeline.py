@@ -4,7 +4,9 @@
   processor, count each window's audio tokens, pack consecutive windows into groups whose prompt + token budget
   fits the decoder's positions (at most 21 windows, the reference's cap), tokenize each group's prompt. The
   windows stay views into the caller's samples until they are encoded. ``plan_pieces``: one group per given
-  piece of at most 30 s (the VAD's, or the caller's).
+  piece of at most 30 s (the VAD's, or the caller's). ``DecodeOptions.forced_prefix_ids`` (a forced answer start)
+  are appended to the prompt ids of the one group such audio must form (``GroupPlan.prefix_ids``), so the engine
+  prefills them with the prompt and decodes on from there.
 - The engine encodes the groups (``engine/encode.py``: features, encoder + projector, prompt embeddings).
 - ``teacher_forced_logits``: our model's logits for forced tokens after an audio's prompt (the comparisons with
   transformers in the tests and the device checks).
@@ -80,18 +82,23 @@ def plan_audio(audio: Audio, prompts, config, decode: DecodeOptions, device=None
         from .audio.vad import segment
 
         return plan_pieces(audio, segment(audio.samples, max_s=30.0, device=device), prompts, config, decode)
-    overhead = len(prompts.encode(1, decode.prompt)) - 1
+    overhead = len(prompts.encode(1, decode.prompt)) - 1 + len(decode.forced_prefix_ids)
     windows = split_windows(audio.samples)
     tokens = [max(0, int(frames_to_audio_tokens(num_valid_frames(w.shape[0]), config.merge_factor)))
               for w in windows]
     seconds = [w.shape[0] / SAMPLE_RATE for w in windows]
+    try:
+        groups = plan_groups(tokens, seconds, overhead, config.text.max_position_embeddings, decode.max_new_tokens)
+    except ValueError as e:
+        if not decode.forced_prefix_ids:
+            raise
+        raise ValueError(f"{e} (forced_prefix_ids are {len(decode.forced_prefix_ids)} of them)") from None
     plans = []
-    for idx, budget in plan_groups(tokens, seconds, overhead, config.text.max_position_embeddings,
-                                   decode.max_new_tokens):
+    for idx, budget in groups:
         wt = [tokens[i] for i in idx]
         plans.append(GroupPlan([windows[i] for i in idx], wt, sum(seconds[i] for i in idx), budget,
                                prompts.encode(sum(wt), decode.prompt), start_s=sum(seconds[: idx[0]])))
-    return plans
+    return force_prefix(plans, audio, config, decode)
 
 
 def plan_pieces(audio: Audio, pieces: list[tuple[float, float]], prompts, config, decode: DecodeOptions
@@ -112,6 +119,35 @@ def plan_pieces(audio: Audio, pieces: list[tuple[float, float]], prompts, config
         plans.append(GroupPlan([audio.samples[a:b]], [tokens], seconds, decode.max_new_tokens or
                                default_max_new_tokens(seconds), prompts.encode(tokens, decode.prompt),
                                start_s=a / SAMPLE_RATE))
+    return force_prefix(plans, audio, config, decode)
+
+
+def force_prefix(plans: list[GroupPlan], audio: Audio, config, decode: DecodeOptions) -> list[GroupPlan]:
+    """``decode.forced_prefix_ids`` appended to the prompt of the one group (``GroupPlan.prefix_ids``); a
+    ValueError naming the field for audio that forms another number of groups, an id outside the model's
+    vocabulary or equal to its audio placeholder, or a prompt + prefix + budget past the model's positions."""
+    prefix = list(decode.forced_prefix_ids)
+    if not prefix:
+        return plans
+    if len(plans) != 1:
+        raise ValueError(f"{audio.source}: forced_prefix_ids needs audio that forms one prompt group (a 30 s "
+                         f"window, or one piece); this audio ({audio.duration_s:.1f} s) forms {len(plans)}")
+    vocab = config.text.vocab_size
+    for i, t in enumerate(prefix):
+        if t >= vocab:
+            raise ValueError(f"forced_prefix_ids[{i}] = {t} is outside the model's vocabulary (size {vocab})")
+        if t == config.audio_token_id:
+            raise ValueError(f"forced_prefix_ids[{i}] = {t} is the audio placeholder token, which cannot be "
+                             f"forced")
+    plan = plans[0]
+    positions = len(plan.prompt_ids) + len(prefix) + plan.max_new_tokens
+    limit = config.text.max_position_embeddings
+    if positions > limit:
+        raise ValueError(f"forced_prefix_ids ({len(prefix)} tokens) + the prompt ({len(plan.prompt_ids)}) + "
+                         f"max_new_tokens ({plan.max_new_tokens}) need {positions} positions, more than the "
+                         f"model's {limit}")
+    plan.prompt_ids = plan.prompt_ids + prefix
+    plan.prefix_ids = prefix
     return plans
 
 

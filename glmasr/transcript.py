@@ -6,10 +6,14 @@ then it is detokenized and held back); leading whitespace of a group and trailin
 by more text are held back too. The final text is decoded once, exactly, from all tokens; the deltas add up
 to it (the last delta carries whatever the incremental detokenizer had not emitted yet).
 
+A group planned with a forced answer start (``GroupPlan.prefix_ids``, from ``DecodeOptions.forced_prefix_ids``)
+starts from those tokens: its text and ``token_ids`` include them (text = decode(prefix + generated).strip()), and
+its streamed text begins with theirs (out with the request's first delta).
+
 Each group's token log-probabilities (``SequenceOutput.logprobs``, one per generated token) are summed as they
-arrive; its segment's ``avg_logprob`` is their mean over the segment's ``token_ids``. The stop token (the eos id
-that ended the group) is the one token left out: it is neither in ``token_ids`` nor in the text. A group with no
-token gets 0.0.
+arrive; its segment's ``avg_logprob`` is their mean over the generated tokens (a forced prefix has none). The
+stop token (the eos id that ended the group) is the one token left out: it is neither in ``token_ids`` nor in the
+text. A group with no generated token gets 0.0.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ def compression_ratio(text: str) -> float:
 
 
 class _GroupText:
-    def __init__(self, prompts):
+    def __init__(self, prompts, prefix_ids=()):
         self.detok = IncrementalDetokenizer(prompts)
         self.finish_reason: str | None = None
         self.started = False  # some non-space text of this group was released
@@ -38,6 +42,8 @@ class _GroupText:
         self.pending: list[str] = []  # released text not yet emitted (an earlier group is unfinished)
         self.logprob_sum = 0.0  # of its tokens' log-probabilities
         self.logprob_count = 0
+        if prefix_ids:  # the forced answer start: its text goes out first
+            self.release(self.detok.push(list(prefix_ids)))
 
     @property
     def avg_logprob(self) -> float:
@@ -69,7 +75,7 @@ class TranscriptAssembler:
         self.t_start = time.perf_counter() if t_start is None else t_start
         self.audio_ms = audio_ms
         self.missing_s = missing_s
-        self.groups = [_GroupText(prompts) for _ in plans]
+        self.groups = [_GroupText(prompts, p.prefix_ids) for p in plans]
         self._current = 0  # first unfinished group: its text may be emitted as it comes
         self._emitted: list[str] = []
         self.result: Transcription | None = None

@@ -1,7 +1,8 @@
 """Latency and throughput of our engine against transformers, in one process, on one GPU (the H200).
 
-    bash benchmark.sh [--only latency,decode,encoder,throughput,breakdown,invariant,coldstart,serve,longform]
-                      [--quick]
+    bash benchmark.sh [--only latency,decode,encoder,throughput,breakdown,invariant,coldstart,serve,longform,realtime]
+                      [--quick] [--realtime-sessions 64,256,512] [--realtime-partial-sessions 32,128]
+                      [--realtime-seconds 60]
                       [--no-peers] [--no-compiled-peer] [--out DIR]
     (benchmark.sh runs ``python -m scripts.benchmark`` from the checkout root; the helpers are scripts/bench/*)
 
@@ -35,10 +36,11 @@ from scripts.bench.workloads import mixed_clips, noise_clip as clip
 ROOT = Path(__file__).resolve().parent.parent
 
 SECTIONS = ("latency", "decode", "encoder", "throughput", "breakdown", "invariant", "serve", "longform", "coldstart",
-            "firstcall")
+            "firstcall", "realtime")
 # serve (the server under load, 20 s per concurrency level, scripts/bench/serve_load.py, ~3 min) and longform (an hour of mp3 to SRT,
 # scripts/bench/longform.py, ~1-2 min) and firstcall (the mixed workload as a fresh process's first call, 3
-# processes, ~1-2 min) run when asked for (--only): with them the whole run passes one device call.
+# processes, ~1-2 min) and realtime (live sessions at N = --realtime-sessions, then with partials, ~1.5 min per N,
+# scripts/bench/realtime_load.py) run when asked for (--only): with them the whole run passes one device call.
 DEFAULT_SECTIONS = ("latency", "decode", "encoder", "throughput", "breakdown", "invariant", "coldstart")
 # --smoke: every section at toy sizes on the tiny random checkpoint, on the CPU (Triton interpreter) or a GPU,
 # so the script itself is tested without spending GPU time (tests/test_benchmark_script.py).
@@ -685,6 +687,24 @@ def section_serve(asr, folder: Path, quick: bool, out: Path):
     return serve_load.run(asr, folder, levels=levels, seconds=10.0 if quick else 20.0, device=DEV, out_dir=out)
 
 
+def section_realtime(asr, folder: Path, args, out: Path):
+    """glmasr serve in its own process under N live sessions (finals only, then partials at a 1 s hop)."""
+    from scripts.bench import realtime_load
+
+    def sizes(text):
+        return tuple(int(c) for c in text.split(",") if c.strip())
+
+    if SMOKE:
+        return realtime_load.run(folder, DEV, sessions=(2,), partial_sessions=(1,), seconds=3.0, warmup="request",
+                                 max_batch=asr.options.max_batch, out_dir=out, ramp_s=1.0)
+    sessions, partial = sizes(args.realtime_sessions), sizes(args.realtime_partial_sessions)
+    if args.quick:
+        sessions, partial = sessions[:2], partial[:1]
+    return realtime_load.run(folder, DEV, sessions=sessions, partial_sessions=partial,
+                             seconds=20.0 if args.quick else args.realtime_seconds, max_batch=asr.options.max_batch,
+                             out_dir=out)
+
+
 def section_longform(asr, quick: bool, out: Path):
     """An hour of 44.1 kHz stereo mp3 to SRT in both segmentations, and each stage alone."""
     from scripts.bench import longform
@@ -706,6 +726,11 @@ def main():
                     help="leave the compiled transformers peer out (saves its compile time)")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the tiny checkpoint (tests the script)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--realtime-sessions", default="64,256,512",
+                    help="realtime section: concurrent live sessions per level, finals only")
+    ap.add_argument("--realtime-partial-sessions", default="32,128",
+                    help="realtime section: concurrent live sessions per level with partials on ('' for none)")
+    ap.add_argument("--realtime-seconds", type=float, default=60.0, help="realtime section: seconds per level")
     args = ap.parse_args()
     only = [s for s in args.only.split(",") if s]
     unknown = sorted(set(only) - set(SECTIONS))
@@ -751,7 +776,8 @@ def main():
                 "breakdown": lambda: section_breakdown(asr, peaks),
                 "invariant": lambda: section_invariant(asr),
                 "serve": lambda: section_serve(asr, folder, args.quick, out),
-                "longform": lambda: section_longform(asr, args.quick, out)}
+                "longform": lambda: section_longform(asr, args.quick, out),
+                "realtime": lambda: section_realtime(asr, folder, args, out)}
     for name in SECTIONS:
         if name in only:
             t = time.perf_counter()

@@ -23,7 +23,7 @@ import glmasr
 import glmasr.handle
 from glmasr import RequestTimeoutError
 from glmasr.api import _shared
-from glmasr.options import DecodeOptions
+from glmasr.options import Priority, DecodeOptions
 
 from conftest import bounded, noise
 
@@ -248,7 +248,7 @@ def test_priority_and_deadline_reach_the_engine_request(tiny_asr, monkeypatch):
     tiny_asr.submit(noise(1.0, 81), DecodeOptions(max_new_tokens=2), sampling_rate=16000).result()
     (p1, d1, t1), (p2, d2, t2) = seen
     assert p1 == 3 and t1 == 30 and before + 30 <= d1 <= time.monotonic() + 30
-    assert p2 == 0 and d2 is None and t2 is None
+    assert p2 == Priority.BATCH and d2 is None and t2 is None  # the default class of GlmAsr.submit
 
 
 @pytest.mark.parametrize("bad, error, message", [(0, ValueError, "positive"), (-1.0, ValueError, "positive"),

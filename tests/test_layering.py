@@ -39,7 +39,7 @@ ENGINE_MAY_IMPORT = ("glmasr.engine", "glmasr.models", "glmasr.errors", "glmasr.
 # picture: entry points -> handle -> pipeline -> engine -> models -> kernels, with errors under everything).
 RANKS = {"errors": 0, "models": 1, "audio": 2, "checkpoint": 2, "engine": 3, "options": 4, "results": 4,
          "writers": 5, "transcript": 5, "pipeline": 5, "handle": 6, "api": 7, "__init__": 8, "workers": 9,
-         "integrations": 9, "server": 10, "cli": 11}
+         "integrations": 9, "live": 10, "server": 11, "cli": 12}
 
 
 def _imports(path: Path, package: str) -> list[tuple[int, str]]:

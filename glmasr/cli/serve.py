@@ -1,8 +1,9 @@
 """``glmasr serve`` (also ``python -m glmasr.cli serve``): load a checkpoint, warm it up, serve it with uvicorn.
 
 SIGTERM or SIGINT: the listening socket closes, uploads still arriving are refused at once (a 503 in the envelope),
-the admitted requests finish (up to ``--drain-timeout`` s; streams included), the engine stops, and the process exits
-with status 0.
+the admitted requests finish (up to ``--drain-timeout`` s; streams included), the live sessions of ``/v1/realtime``
+get an ``error`` event (``shutting_down``) and close code 1012, the engine stops, and the process exits with
+status 0.
 
 ``--data-parallel N [--devices cuda:0,cuda:1,...]``: this process is the front end (HTTP, decoding, limits,
 streaming, metrics) and N engine worker processes each own one loaded model (``glmasr.workers.requests``); devices
@@ -66,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=non_negative_float, default=0.0, metavar="S",
                    help="a transcription still unfinished S seconds after it was admitted is stopped by the engine "
                         "(its slots freed) and answered with a 504 (default 0: no limit)")
+    p.add_argument("--max-realtime-sessions", type=positive_int, default=None, metavar="N",
+                   help="open live sessions on GET /v1/realtime (WebSocket); one more gets an error event and close "
+                        "code 1013 (default 8 x max-batch, summed over engines: 512 with 64 slots)")
+    p.add_argument("--realtime-max-session-s", type=positive_float, default=3600.0, metavar="S",
+                   help="a live session is closed after S seconds (and after S seconds of audio; default 3600)")
+    p.add_argument("--realtime-idle-timeout-s", type=positive_float, default=120.0, metavar="S",
+                   help="a live session with no event either way for S seconds is closed (default 120)")
+    p.add_argument("--realtime-max-buffer-s", type=positive_float, default=60.0, metavar="S",
+                   help="audio a live session holds uncommitted; an append beyond is refused with an error event "
+                        "(default 60)")
     p.add_argument("--warmup", choices=("full", "request", "none"), default="full",
                    help="before /health reports ok: every kernel and graph (full, default), one short request, or "
                         "nothing")
@@ -82,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from ..server.app import MIB, ServerConfig, create_app, served_names
         from ..server.http import HttpLimits, uvicorn_config
+        from ..server.realtime.routes import RealtimeLimits
     except ImportError as e:
         print(f"error: the server needs the serve extra (pip install 'glmasr[serve]'): {e}", file=sys.stderr)
         return 2
@@ -104,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         config = ServerConfig(served_names=served_names(engine, extra), api_key=api_key,
                               max_upload_bytes=int(args.max_upload_mb * MIB), max_audio_s=args.max_audio_s or None,
                               max_queue=args.max_queue, request_timeout_s=args.request_timeout or None,
-                              limits=limits, warmup=args.warmup)
+                              limits=limits, warmup=args.warmup,
+                              realtime=RealtimeLimits(max_sessions=args.max_realtime_sessions,
+                                                      max_session_s=args.realtime_max_session_s,
+                                                      idle_timeout_s=args.realtime_idle_timeout_s,
+                                                      max_buffer_s=args.realtime_max_buffer_s))
     except (glmasr.CheckpointError, glmasr.ConfigError, glmasr.TokenizerError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -121,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
 
     server = _Server(uvicorn_config(app, args.host, args.port, limits, log_level=args.log_level,
                                     log_config=_log_config(args.log_level),
-                                    timeout_graceful_shutdown=args.drain_timeout, lifespan="on"), on_exit=on_exit)
+                                    timeout_graceful_shutdown=args.drain_timeout, lifespan="on",
+                                    ws_max_size=config.realtime.ws_max_size), on_exit=on_exit)
     server.run()
     return 0 if server.started or server.should_exit else 1
 

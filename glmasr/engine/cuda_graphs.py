@@ -6,7 +6,9 @@ SDPA pick their kernels, the caching allocator sees the sizes), makes the curren
 captures one call into a graph that allocates from ``pool``; it returns the graph and what the captured call
 returned (static tensors that each replay rewrites). The warm-up calls really run: ``fn`` must be safe to run
 on the state it finds (callers save and restore state they care about; ``before_warmup`` runs eagerly before
-each warm-up call and is not captured).
+each warm-up call and is not captured). Each graph owns the cuBLAS workspace its GEMMs use (allocated in its
+pool during the capture), so freeing cuBLAS workspaces elsewhere (torch.compile's CUDA-graph trees do) cannot
+break a replay.
 """
 
 from __future__ import annotations
@@ -39,11 +41,24 @@ def capture(fn: Callable[[], Any], device: torch.device, pool=None, warmup: int 
             fn()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    # thread_local: CUDA calls of other threads (callers loading audio or another model, a server's threads)
-    # neither fail nor invalidate a capture on the engine's thread
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = fn()
+    # The captured GEMMs use the cuBLAS workspace of the capture stream. One made before the capture lies outside
+    # the graph's pool, and torch.compile's CUDA-graph trees free every cuBLAS workspace when they record: a replay
+    # then wrote to freed memory (an illegal address after a compiled transformers model ran in the same
+    # process). Dropping the workspaces first makes the capture allocate its own inside the graph's pool, which
+    # lives as long as the graph; dropping them after keeps it from being handed to uncaptured work.
+    _clear_cublas_workspaces()
+    try:
+        # thread_local: CUDA calls of other threads (callers loading audio or another model, a server's threads)
+        # neither fail nor invalidate a capture on the engine's thread
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = fn()
+    finally:
+        _clear_cublas_workspaces()
     return graph, out
+
+
+def _clear_cublas_workspaces() -> None:
+    torch._C._cuda_clearCublasWorkspaces()
 
 
 class GraphPool:

@@ -7,12 +7,17 @@
             ...                              # SequenceOutput: new tokens of one group, finish reason
     engine.abort(rid)                        # frees its slots at the next step
     for rid, timeout_s, stage in engine.expire(time.monotonic()): ...   # between steps: abort the late ones
+    for rid, priority in engine.take_preempted(): ...   # drafts a step dropped for a better request
 
-A step (1) enqueues encoder work for sequences the free slots will take (``Scheduler.next_encode``), (2) waits
-for the previous round's read-back and turns it into outputs, freeing finished slots, (3) prefills ready
-sequences into free slots and enqueues the next decode round (up to ``sync_every`` steps), then returns the
-outputs: the GPU works on the next round, and on the encoder chunk before it, while the caller handles these.
+A step (0) preempts: running requests of priority >= ``Priority.DRAFT`` are dropped, newest first, while better
+sequences wait for more slots than are free (``Scheduler.preempt``; the caller learns of them from
+``take_preempted`` and ends them with ``errors.RequestPreempted``), (1) enqueues encoder work for sequences the
+free slots will take (``Scheduler.next_encode``), (2) waits for the previous round's read-back and turns it into
+outputs, freeing finished slots, (3) prefills ready sequences into free slots and enqueues the next decode round
+(up to ``sync_every`` steps), then returns the outputs: the GPU works on the next round, and on the encoder chunk
+before it, while the caller handles these.
 So a short request that arrives while a long one decodes is encoded between two rounds and decodes with it.
+Encoding and admission go by (priority, arrival): a request's ``priority`` (``request.Priority``; lower first).
 
 The engine is not thread-safe: one thread steps it (``engine.loop.EngineLoop`` for many callers). Its greedy
 tokens equal ``engine.generate.greedy_generate`` (the plain reference loop) token for token.
@@ -30,7 +35,7 @@ from glmasr_kernels.greedy_commit import RUNNING, STOPPED
 from .options import EngineOptions
 from .repetition import check_repetition_stop, is_stuck
 from .model_runner import ModelRunner
-from .request import GenerationRequest, GenerationResult, RequestState, Sequence, SequenceOutput
+from .request import GenerationRequest, GenerationResult, Priority, RequestState, Sequence, SequenceOutput
 from .scheduler import Scheduler
 
 
@@ -49,6 +54,7 @@ class Engine:
         self.max_positions = model.cfg.text.max_position_embeddings
         self._ids = itertools.count()
         self._in_flight = False
+        self._preempted: list[tuple[int, int]] = []  # (request id, priority) dropped by steps, not yet taken
 
     @property
     def max_batch(self) -> int:
@@ -58,13 +64,16 @@ class Engine:
     def add_request(self, plans=None, *, prompt_embeds: list[torch.Tensor] | None = None,
                     max_new_tokens: list[int] | None = None, ignore_eos: bool = False,
                     repetition_stop: int | None = None, request_id: int | None = None,
-                    deadline: float | None = None, timeout_s: float | None = None, priority: int = 0) -> int:
+                    deadline: float | None = None, timeout_s: float | None = None,
+                    priority: int = Priority.BATCH) -> int:
         """Queue one request: window groups to encode (``plans``, from ``pipeline.plan_audio``), or prompts
         already embedded (``prompt_embeds`` with their ``max_new_tokens``). Checked here, before any work.
         ``repetition_stop``: end a sequence stuck repeating an n-gram (``repetition.is_stuck``) with
         finish_reason "repetition". ``deadline``: a ``time.monotonic()`` instant after which ``expire`` drops
-        it (``timeout_s``: the timeout it came from, for the caller's error). ``priority``: carried on the
-        request (admission is in arrival order for now)."""
+        it (``timeout_s``: the timeout it came from, for the caller's error). ``priority``: its class (any int,
+        lower first; ``Priority``): encoding and admission go by (priority, arrival), and a running request of
+        priority >= ``Priority.DRAFT`` is preempted when better ones need its slot. A plan's ``prefix_ids`` (a
+        forced answer start, already in its ``prompt_ids``) count for the repetition guard."""
         rid = next(self._ids) if request_id is None else request_id
         seqs = []
         if plans is not None:
@@ -80,7 +89,7 @@ class Engine:
         check_repetition_stop(repetition_stop)
         if repetition_stop is not None:
             for s in seqs:
-                s.repetition_stop, s.tokens = repetition_stop, []
+                s.repetition_stop, s.tokens = repetition_stop, list(s.plan.prefix_ids) if s.plan is not None else []
         for s in seqs:
             if isinstance(s.max_new_tokens, bool) or not isinstance(s.max_new_tokens, int) or s.max_new_tokens < 1:
                 raise ValueError(f"request {rid}, group {s.index}: max_new_tokens must be >= 1, got {s.max_new_tokens}")
@@ -112,6 +121,13 @@ class Engine:
             self.abort(req.request_id)
         return out
 
+    def take_preempted(self) -> list[tuple[int, int]]:
+        """(request id, priority) of each request the steps since the last call preempted (dropped to free its
+        slots for a better class; nothing more of it comes out of ``step``). Its caller ends it with
+        ``errors.RequestPreempted``; taken once."""
+        out, self._preempted = self._preempted, []
+        return out
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight
 
@@ -125,6 +141,9 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[SequenceOutput]:
         sched, runner = self.scheduler, self.runner
+        for req, slots in sched.preempt():  # before encoding: the freed slots take the better ones this step
+            runner.deactivate(slots)
+            self._preempted.append((req.request_id, req.priority))
         to_encode = sched.next_encode()
         if to_encode:
             now = time.perf_counter()

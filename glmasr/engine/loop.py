@@ -14,13 +14,16 @@ The loop sleeps while there is nothing to do. Each iteration takes the new reque
 raises) fails alone, with that error, on its stream. An error inside a step (a device fault) fails every request
 in the engine with an ``EngineError`` carrying the cause, and the engine is reset so that later requests run.
 Between rounds the loop aborts the requests past their deadline (``Engine.expire``), queued or running; their
-streams end with a ``RequestTimeoutError`` naming the timeout.
+streams end with a ``RequestTimeoutError`` naming the timeout. A request's ``priority`` (``request.Priority``:
+lower first, any int; default ``BATCH``) orders its encoding and admission; a running one of priority >= ``DRAFT``
+that a step preempts for a better one (``Engine.take_preempted``) ends with ``errors.RequestPreempted``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import numbers
 import threading
@@ -31,8 +34,8 @@ from concurrent.futures import Future
 import torch
 
 from .engine import Engine
-from .request import SequenceOutput
-from ..errors import EngineClosed, EngineError, RequestTimeoutError
+from .request import Priority, SequenceOutput
+from ..errors import EngineClosed, EngineError, RequestPreempted, RequestTimeoutError
 
 
 def check_timeout(timeout, name: str = "timeout") -> float | None:
@@ -48,10 +51,21 @@ def check_timeout(timeout, name: str = "timeout") -> float | None:
 
 
 def check_priority(priority) -> int:
+    """``priority`` as an int (a ``Priority`` member or any int: lower runs first); a TypeError for anything else."""
     if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
-        raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        raise TypeError(f"priority must be an int (glmasr.options.Priority), got {type(priority).__name__}")
     return int(priority)
 
+
+def priority_name(priority: int) -> str:
+    """``Priority.DRAFT`` -> "DRAFT"; another int as itself."""
+    try:
+        return Priority(priority).name
+    except ValueError:
+        return str(priority)
+
+
+log = logging.getLogger("glmasr.engine")
 
 _END = object()
 
@@ -170,6 +184,11 @@ def _timeout_error(rid: int, timeout_s: float | None, stage: str) -> RequestTime
     return RequestTimeoutError(f"request {rid} did not finish within {limit}: the engine dropped it {where}")
 
 
+def _preempted_error(rid: int, priority: int) -> RequestPreempted:
+    return RequestPreempted(f"request {rid} (priority {priority_name(priority)}) was preempted: a request of a "
+                            f"better priority class needed its engine slot")
+
+
 def _wake(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -186,19 +205,21 @@ class EngineLoop:
         self._calls: deque = deque()  # (fn, Future): run on this thread once the engine is idle
         self._ids = itertools.count()
         self._closed = False
+        self._closed_reason = "the engine loop is shut down"
         self.rounds = 0  # engine steps finished: a watchdog sees the engine move (or not) from outside
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, plans=None, *, ignore_eos: bool = False, prompt_embeds=None, max_new_tokens=None,
                repetition_stop: int | None = None, deadline: float | None = None, timeout_s: float | None = None,
-               priority: int = 0) -> RequestStream:
+               priority: int = Priority.BATCH) -> RequestStream:
         """Queue a request (``Engine.add_request``'s arguments); returns its stream at once. ``deadline``: a
         ``time.monotonic()`` instant after which the engine drops it and the stream ends with a
-        ``RequestTimeoutError`` naming ``timeout_s``."""
+        ``RequestTimeoutError`` naming ``timeout_s``. ``priority``: its class (lower first); one of
+        ``Priority.DRAFT`` or worse may end with ``RequestPreempted``."""
         with self._cv:
             if self._closed:
-                raise EngineClosed("the engine loop is shut down")
+                raise EngineClosed(self._closed_reason)
             rid = next(self._ids)
             stream = RequestStream(rid, self)
             self._streams[rid] = stream
@@ -235,7 +256,7 @@ class EngineLoop:
         fut: Future = Future()
         with self._cv:
             if self._closed:
-                raise EngineClosed("the engine loop is shut down")
+                raise EngineClosed(self._closed_reason)
             self._calls.append((fn, fut))
             self._cv.notify()
         return fut
@@ -304,11 +325,20 @@ class EngineLoop:
                 outputs = engine.step()
                 self.rounds += 1
             except Exception as e:  # a device fault or a bug: fail what was in flight, keep serving
-                for rid in engine.reset():
+                for rid, priority in engine.take_preempted():  # dropped before the fault: preempted all the same
+                    self._end(rid, _preempted_error(rid, priority))
+                try:
+                    failed = engine.reset()
+                except Exception as reset_error:  # a sticky device fault: nothing can run on this engine again
+                    self._give_up(e, reset_error)
+                    return
+                for rid in failed:
                     err = EngineError(f"the engine failed while decoding request {rid} ({type(e).__name__}: {e})")
                     err.__cause__ = e
                     self._end(rid, err)
                 continue
+            for rid, priority in engine.take_preempted():
+                self._end(rid, _preempted_error(rid, priority))
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is None:
@@ -316,6 +346,27 @@ class EngineLoop:
                 stream._put(out)
                 if out.request_finished:
                     self._end(out.request_id, _END)
+
+    def _give_up(self, error: Exception, reset_error: Exception) -> None:
+        """The device cannot be used any more (e.g. an illegal memory access leaves the CUDA context unusable):
+        every request in hand and every pending call fails with an ``EngineError`` at once (none waits forever
+        on a thread that is gone), later submits raise ``EngineClosed``, and the thread ends."""
+        log.error("the engine's device failed and could not be reset (%s: %s); the engine is closed: load the "
+                  "model again in a new process", type(reset_error).__name__, reset_error)
+        with self._cv:
+            self._closed = True
+            self._closed_reason = (f"the engine stopped after a device fault it could not recover from "
+                                   f"({type(error).__name__}: {error})")
+            streams, self._streams = self._streams, {}
+            calls, self._calls = self._calls, deque()
+            self._inbox.clear()
+        for rid, stream in streams.items():
+            err = EngineError(f"request {rid}: {self._closed_reason}")
+            err.__cause__ = error
+            stream._put(err)
+        for _, fut in calls:
+            fut.set_exception(EngineError(self._closed_reason))
+        self.engine = None
 
     def _end(self, rid: int, item) -> None:
         with self._cv:

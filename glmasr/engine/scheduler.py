@@ -2,26 +2,98 @@
 
 A request is one audio; its sequences are its window groups (prompts), each decoded in one slot (a KV-cache
 row). A sequence moves WAITING (its windows need encoding) -> READY (prompt embeddings on the device) ->
-RUNNING (in a slot) -> finished. Per step the scheduler picks
+RUNNING (in a slot) -> finished. Both queues are ordered by (priority, arrival): a request's ``priority``
+(``request.Priority``, a LOWER value first; any int) and then the order requests were added, so encoding and
+admission serve the best class first and each class first come, first served. Per step the scheduler picks
 
-- the encoder work: waiting sequences in arrival order, at most ``encoder_chunk`` windows (at least one
-  sequence; a multiple of it when that many slots are free), and only as many as the free slots will take, so
-  encoder output never piles up: memory is bounded by the slots and the chunk, not by the length of the audio;
-- the admissions: ready sequences into free slots, at most ``max_prefill_tokens`` prompt positions together;
+- the preemptions (``preempt``): while sequences of a class better than ``Priority.DRAFT`` wait (for the encoder
+  or for a slot) and outnumber the free slots, the newest running request of priority >= DRAFT is dropped
+  (every sequence of it, its slots freed); the caller ends it with ``errors.RequestPreempted``. Drafts never
+  delay a better request by more than the round in flight;
+- the encoder work: waiting sequences in queue order, at most ``encoder_chunk`` windows (at least one
+  sequence; a multiple of it when that many slots are free), and only as many as the free slots will take (less
+  the ready sequences that go first), so encoder output never piles up: memory is bounded by the slots and the
+  chunk, not by the length of the audio. The queue's order is never skipped: a waiting draft is not encoded while
+  a better sequence still waits;
+- the admissions: ready sequences in queue order into free slots, at most ``max_prefill_tokens`` prompt positions
+  together;
 - the decode round: how many steps until the next read-back (at most ``sync_every``, never past every running
   budget) over the first ``b`` slots, from its mirror of each slot's position and remaining budget, so the host
   never reads the GPU to plan.
 
 A request may carry a ``deadline`` (a ``time.monotonic()`` instant): ``expired(now)`` names the requests past
-theirs, waiting or running, and the engine aborts them between rounds like any abort. ``priority`` rides along
-for callers that will rank requests; admission does not look at it yet (arrival order).
+theirs, waiting or running, and the engine aborts them between rounds like any abort.
 """
 
 from __future__ import annotations
 
+import itertools
+from bisect import insort
 from collections import deque
 
-from .request import RequestState, Sequence
+from .request import Priority, RequestState, Sequence
+
+
+class SequenceQueue:
+    """Sequences in (priority, arrival, index) order: one deque per priority value present (a handful), each in
+    arrival order, so adding a newcomer and taking the first are O(number of classes)."""
+
+    def __init__(self):
+        self._classes: dict[int, deque[Sequence]] = {}
+        self._keys: list[int] = []  # the priorities present, ascending
+
+    def append(self, s: Sequence) -> None:
+        q = self._classes.get(s.priority)
+        if q is None:
+            q = self._classes[s.priority] = deque()
+            insort(self._keys, s.priority)
+        i = len(q)  # a newcomer goes last; one added earlier but encoded later goes back to its arrival place
+        while i and (q[i - 1].arrival, q[i - 1].index) > (s.arrival, s.index):
+            i -= 1
+        q.insert(i, s)
+
+    def first(self) -> Sequence | None:
+        return self._classes[self._keys[0]][0] if self._keys else None
+
+    def popleft(self) -> Sequence:
+        p = self._keys[0]
+        q = self._classes[p]
+        s = q.popleft()
+        if not q:
+            del self._classes[p]
+            self._keys.pop(0)
+        return s
+
+    def remove_request(self, request_id: int) -> None:
+        for p in list(self._keys):
+            q = self._classes[p]
+            if any(s.request_id == request_id for s in q):
+                q = self._classes[p] = deque(s for s in q if s.request_id != request_id)
+                if not q:
+                    del self._classes[p]
+                    self._keys.remove(p)
+
+    def count_better_than(self, priority: int) -> int:
+        """Sequences of a priority lower (better) than ``priority``."""
+        return sum(len(self._classes[p]) for p in self._keys if p < priority)
+
+    def count_at_most(self, priority: int) -> int:
+        """Sequences of a priority at most ``priority`` (they go before a sequence of that priority)."""
+        return sum(len(self._classes[p]) for p in self._keys if p <= priority)
+
+    def clear(self) -> None:
+        self._classes.clear()
+        self._keys.clear()
+
+    def __iter__(self):
+        for p in self._keys:
+            yield from self._classes[p]
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._classes.values())
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
 
 
 class Scheduler:
@@ -30,17 +102,20 @@ class Scheduler:
         self.encoder_chunk = encoder_chunk
         self.max_prefill_tokens = max_prefill_tokens
         self.sync_every = sync_every
-        self.requests: dict[int, RequestState] = {}
-        self.waiting: deque[Sequence] = deque()
-        self.ready: deque[Sequence] = deque()
+        self.requests: dict[int, RequestState] = {}  # in arrival order
+        self.waiting = SequenceQueue()
+        self.ready = SequenceQueue()
         self.slots: list[Sequence | None] = [None] * max_batch
+        self._arrivals = itertools.count()
 
     # ---- requests ----
     def add(self, request: RequestState) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id} is already in the engine")
         self.requests[request.request_id] = request
+        arrival = next(self._arrivals)
         for s in request.sequences:
+            s.priority, s.arrival = request.priority, arrival
             (self.ready if s.prompt_embeds is not None else self.waiting).append(s)
 
     def abort(self, request_id: int) -> list[int]:
@@ -48,8 +123,8 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return []
-        self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
-        self.ready = deque(s for s in self.ready if s.request_id != request_id)
+        self.waiting.remove_request(request_id)
+        self.ready.remove_request(request_id)
         freed = []
         for s in req.sequences:
             s.prompt_embeds = s.plan = None
@@ -72,6 +147,26 @@ class Scheduler:
         """The requests whose deadline is at or before ``now`` (still here: the caller aborts them)."""
         return [r for r in self.requests.values() if r.deadline is not None and r.deadline <= now]
 
+    def preempt(self) -> list[tuple[RequestState, list[int]]]:
+        """Drop running preemptible requests (priority >= ``Priority.DRAFT``), newest first, while the sequences of
+        a better class that wait for a slot (waiting or ready) outnumber the free slots. Returns each dropped
+        request with the slots it held (the device must stop decoding them); the caller tells its owner."""
+        need = self.waiting.count_better_than(Priority.DRAFT) + self.ready.count_better_than(Priority.DRAFT)
+        if not need:
+            return []
+        free = len(self.free_slots())
+        if need <= free:
+            return []
+        victims = [r for r in reversed(self.requests.values()) if r.priority >= Priority.DRAFT and r.running]
+        out = []
+        for req in victims:
+            if need <= free:
+                break
+            slots = self.abort(req.request_id)
+            free += len(slots)
+            out.append((req, slots))
+        return out
+
     def clear(self) -> list[RequestState]:
         """Forget everything (after a device error); returns the requests that were in the engine."""
         reqs = list(self.requests.values())
@@ -93,18 +188,25 @@ class Scheduler:
 
     # ---- one step ----
     def next_encode(self) -> list[Sequence]:
-        room = len(self.free_slots()) - len(self.ready)
+        head = self.waiting.first()
+        if head is None:
+            return []
+        free = len(self.free_slots())
+        # A sequence's room: the free slots less the ready sequences admitted before it (its class or a better one)
+        # and those chosen before it here.
+        room = free - self.ready.count_at_most(head.priority)
         # One encoder chunk per step; more when many slots are free (a batch starting up: the first step then
         # fills every slot, as encoding everything first did, instead of ramping up 32 slots per round).
         limit = self.encoder_chunk * max(1, room // self.encoder_chunk)
         chosen, windows = [], 0
-        while self.waiting and room > 0:
-            s = self.waiting[0]
+        while self.waiting:
+            s = self.waiting.first()
+            if len(chosen) + self.ready.count_at_most(s.priority) >= free:
+                break
             if chosen and windows + s.num_windows > limit:
                 break
             chosen.append(self.waiting.popleft())
             windows += s.num_windows
-            room -= 1
         return chosen
 
     def mark_ready(self, seqs: list[Sequence]) -> None:
@@ -116,7 +218,7 @@ class Scheduler:
         free = self.free_slots()
         admitted, tokens = [], 0
         while free and self.ready:
-            s = self.ready[0]
+            s = self.ready.first()
             if admitted and tokens + s.prompt_len > self.max_prefill_tokens:
                 break
             self.ready.popleft()

@@ -7,8 +7,11 @@
 Routes: ``POST /v1/audio/transcriptions`` (``protocol``'s docstring has the fields and formats), ``GET /v1/models``,
 ``GET /v1/models/{name}``, ``GET /health`` (200 once warmed up, else 503), ``GET /health/live`` (200 while the
 process answers), ``GET /health/ready`` (200 while it takes requests: warmed up, not draining, an engine ready),
-``GET /metrics`` (Prometheus text, ``metrics``: counts only). With an API key every ``/v1/`` route needs
-``Authorization: Bearer KEY`` (else 401); the health routes and ``/metrics`` stay open (a load balancer's probe and
+``GET /metrics`` (Prometheus text, ``metrics``: counts only), ``GET /v1/realtime`` (a WebSocket: OpenAI's Realtime
+transcription sessions, ``realtime``), and, when the install has it, the browser page at ``GET /`` and ``GET /demo``
+(assets under ``/static/``; open: the page asks for the key). With an API key every ``/v1/`` route needs
+``Authorization: Bearer KEY`` (else 401; the WebSocket also takes the key as the subprotocol
+``openai-insecure-api-key.KEY``); the health routes and ``/metrics`` stay open (a load balancer's probe and
 a scraper carry no key), and the health routes then answer their status only: the details (engine workers, queue,
 uploads, a warm-up error) are added for a caller that sends the key (never without one configured). Served model
 ids are names, never server paths. Errors are answered in the OpenAI envelope ``{"error": {"message", "type",
@@ -47,6 +50,7 @@ from ..workers.engine_client import WARMUPS, EngineClient, LocalEngineClient
 from .http import FramingGuard, HttpLimits
 from .metrics import Metrics
 from .protocol import APIError
+from .realtime.routes import RealtimeLimits, RealtimeService, add_realtime_route
 from .routes import ServerContext, add_routes, error_response, internal_error
 from .serving import TranscriptionService, admission, upload_slots
 from .uploads import MIB
@@ -62,7 +66,7 @@ class ServerConfig:
     connection and upload limits (``http.HttpLimits``); warmup: "full" (``GlmAsr.warmup``: every kernel and graph a
     server needs), "request" (one short request), "none" (each engine worker does it before it reports ready);
     close_engine: close the engine (stop the engine workers) when the app shuts down (after the in-flight
-    requests)."""
+    requests); realtime: the limits of the ``/v1/realtime`` sessions (``realtime.routes.RealtimeLimits``)."""
 
     served_names: tuple[str, ...] = ()
     api_key: str | None = None
@@ -73,6 +77,7 @@ class ServerConfig:
     limits: HttpLimits = field(default_factory=HttpLimits)
     warmup: str = "full"
     close_engine: bool = True
+    realtime: RealtimeLimits = field(default_factory=RealtimeLimits)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
@@ -130,9 +135,11 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
     admitted = admission(max_queue, metrics)
     uploads = upload_slots(config.limits.max_uploads)
     service = TranscriptionService(engine, metrics, config.max_audio_s, config.request_timeout_s)
+    live = RealtimeService(engine, config.realtime, metrics, state)
 
     def warm() -> None:
         t = time.perf_counter()
+        live.prompts = prompt_builder(engine)
         state.warmup_ms = engine.warmup(config.warmup)
         if config.warmup != "none":
             try:  # the VAD of chunking_strategy (CPU, in this process), if this install has it: loaded now
@@ -149,6 +156,7 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
 
         async def warm_up():
             try:
+                await live.start()  # the live sessions' VAD (its failure is the realtime endpoint's alone)
                 await asyncio.to_thread(warm)
                 state.ready = True
             except Exception as e:  # reported by /health (to the key's holder); the server stays unhealthy
@@ -162,6 +170,7 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
             state.ready = False
             if not task.done():
                 await asyncio.wait({task}, timeout=60)
+            await live.stop()
             if config.close_engine:
                 await asyncio.to_thread(engine.close)
 
@@ -196,6 +205,45 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
     async def _internal(request: Request, e: Exception):
         return error_response(internal_error(e))
 
-    add_routes(app, ServerContext(config, state, engine, names, metrics, admitted, uploads, service, max_queue))
+    ctx = ServerContext(config, state, engine, names, metrics, admitted, uploads, service, max_queue)
+    add_routes(app, ctx)
+    add_realtime_route(app, ctx, live)
+    app.state.realtime = live
+    add_page(app)
     app.add_middleware(FramingGuard)
     return app
+
+
+def prompt_builder(engine):
+    """The checkpoint's ``PromptBuilder`` (token ids -> text, the default instruction) for the live sessions: the
+    in-process engine's own, else (engine worker processes) loaded from the checkpoint folder."""
+    asr = getattr(engine, "asr", None)
+    if asr is not None and getattr(asr, "prompts", None) is not None:
+        return asr.prompts
+    from ..checkpoint.tokenizer import PromptBuilder
+    from ..checkpoint.weights import read_config
+
+    return PromptBuilder.from_folder(engine.folder, read_config(engine.folder).audio_token_id)
+
+
+STATIC = Path(__file__).parent / "static"
+_PAGE_HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY",
+                 "Referrer-Policy": "no-referrer"}
+
+
+def add_page(app: FastAPI) -> None:
+    """The browser page (``static/index.html``: microphone over ``/v1/realtime``, file upload) at ``GET /`` and
+    ``GET /demo``, its assets under ``/static/``; open without a key (the page asks for it; every API call it makes
+    carries it). Nothing is mounted when the install has no page."""
+    index = STATIC / "index.html"
+    if not index.is_file():
+        return
+    from fastapi.responses import FileResponse
+    from fastapi.staticfiles import StaticFiles
+
+    async def page():
+        return FileResponse(index, media_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)
+
+    app.add_api_route("/", page, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/demo", page, methods=["GET"], include_in_schema=False)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")

@@ -28,6 +28,23 @@ With engine worker processes (``--data-parallel``), per worker, labels ``worker`
 | glmasr_worker_restarts_total{worker,device} | counter | times its process died and was restarted |
 
 The aggregate series above stay (``glmasr_engine_pending_requests`` is the sum of the workers' in-flight).
+
+Live transcription (``GET /v1/realtime``, ``glmasr.server.realtime``); a turn is one committed piece of audio (one
+final engine request); "end of turn" is when its last sample arrived (turn detection) or the client's commit:
+
+| metric | kind | meaning |
+|---|---|---|
+| glmasr_realtime_active_sessions | gauge | open realtime sessions |
+| glmasr_realtime_sessions_total | counter | sessions accepted (past auth and --max-realtime-sessions) |
+| glmasr_realtime_audio_seconds_total | counter | audio the sessions received (16 kHz seconds, after decoding) |
+| glmasr_realtime_turns_total | counter | turns committed (turn detection, idle timeout or the client) |
+| glmasr_realtime_turns_failed_total{code} | counter | turns answered with ``...transcription.failed``, by code |
+| glmasr_realtime_drafts_total{outcome} | counter | partial drafts: sent, skipped (engine full), aborted, failed |
+| glmasr_realtime_forcing_total{changed} | counter | audited finals: "true" when forcing the partial text changed it |
+| glmasr_realtime_delta_mismatches_total | counter | finals not continuing the text already sent (not expected) |
+| glmasr_realtime_first_delta_seconds | histogram | end of turn -> the final's first text sent |
+| glmasr_realtime_completed_seconds | histogram | end of turn -> ``...transcription.completed`` sent |
+| glmasr_realtime_errors_total{code} | counter | ``error`` events sent, by code (bad client events, limits, refusals) |
 """
 
 from __future__ import annotations
@@ -39,6 +56,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 OUTCOMES = ("ok", "bad_request", "unauthorized", "not_found", "too_large", "rejected", "unavailable", "timed_out",
             "aborted", "error")
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# live latencies are judged around 100-300 ms: finer there
+_LIVE_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
+DRAFT_OUTCOMES = ("sent", "skipped", "aborted", "failed")
 
 
 def outcome_for(status: int) -> str:
@@ -72,9 +92,67 @@ class Metrics:
             self.latency.labels(v)
         if workers is not None:
             r.register(_WorkerCollector(workers))
+        self.live_sessions = Gauge("glmasr_realtime_active_sessions", "Open realtime sessions", registry=r)
+        self.live_sessions_total = Counter("glmasr_realtime_sessions", "Realtime sessions accepted", registry=r)
+        self.live_audio_seconds = Counter("glmasr_realtime_audio_seconds", "Seconds of audio received by realtime "
+                                          "sessions", registry=r)
+        self.live_turns = Counter("glmasr_realtime_turns", "Realtime turns committed", registry=r)
+        self.live_turns_failed = Counter("glmasr_realtime_turns_failed", "Realtime turns whose transcription "
+                                         "failed, by error code", ["code"], registry=r)
+        self.live_drafts = Counter("glmasr_realtime_drafts", "Partial-transcript drafts by outcome", ["outcome"],
+                                   registry=r)
+        for o in DRAFT_OUTCOMES:
+            self.live_drafts.labels(o)
+        self.live_forcing = Counter("glmasr_realtime_forcing", "Finals audited against an unforced decode, by "
+                                    "whether forcing the agreed text changed it", ["changed"], registry=r)
+        for v in ("true", "false"):
+            self.live_forcing.labels(v)
+        self.live_mismatches = Counter("glmasr_realtime_delta_mismatches", "Finals whose text did not continue "
+                                       "the text already sent", registry=r)
+        self.live_first_delta = Histogram("glmasr_realtime_first_delta_seconds", "End of a turn -> first text of "
+                                          "its final", buckets=_LIVE_BUCKETS, registry=r)
+        self.live_completed = Histogram("glmasr_realtime_completed_seconds", "End of a turn -> its completed "
+                                        "event", buckets=_LIVE_BUCKETS, registry=r)
+        self.live_errors = Counter("glmasr_realtime_errors", "Realtime error events sent, by code", ["code"],
+                                   registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def live(self) -> "LiveMetrics":
+        """The hook a ``glmasr.live.session.LiveSession`` calls (``glmasr.live.events.LiveMetrics``)."""
+        return LiveMetrics(self)
+
+
+class LiveMetrics:
+    """``glmasr.live.events.LiveMetrics`` over a server's ``Metrics`` (one object serves every session)."""
+
+    def __init__(self, m: Metrics):
+        self._m = m
+
+    def on_audio(self, seconds: float) -> None:
+        self._m.live_audio_seconds.inc(seconds)
+
+    def on_turn(self) -> None:
+        self._m.live_turns.inc()
+
+    def on_draft(self, outcome: str) -> None:
+        self._m.live_drafts.labels(outcome if outcome in DRAFT_OUTCOMES else "failed").inc()
+
+    def on_first_delta(self, seconds: float) -> None:
+        self._m.live_first_delta.observe(seconds)
+
+    def on_completed(self, seconds: float) -> None:
+        self._m.live_completed.observe(seconds)
+
+    def on_failed(self, code: str) -> None:
+        self._m.live_turns_failed.labels(code or "error").inc()
+
+    def on_forcing(self, changed: bool) -> None:
+        self._m.live_forcing.labels("true" if changed else "false").inc()
+
+    def on_mismatch(self) -> None:
+        self._m.live_mismatches.inc()
 
 
 class _WorkerCollector:

@@ -129,6 +129,7 @@ _ANSWERS = {
     "vad_unavailable": (400, "invalid_request_error", "chunking_strategy", "chunking_strategy needs the Silero VAD "
                         "weights (pip install silero-vad): "),
     "shutting_down": (503, "server_error", None, ""),
+    "preempted": (503, "server_error", None, "transcription was preempted by more urgent work: "),
     "worker_died": (503, "server_error", None, "transcription failed: "),
     "no_worker": (503, "server_error", None, ""),
     "request_timeout": (504, "server_error", None, ""),

@@ -2,7 +2,8 @@
 (``LocalEngineClient``, over a loaded ``GlmAsr``) or of N engine worker processes
 (``requests.DataParallelEngineClient``, ``glmasr serve --data-parallel N``). The HTTP layer never knows which.
 
-    client.submit(audio, decode, t_start, audio_ms, pieces, stream) -> EngineRequest   (blocking; a worker thread)
+    client.submit(audio, decode, t_start, audio_ms, pieces, stream, timeout=None, priority=Priority.UPLOAD)
+        -> EngineRequest   (blocking; a worker thread)
     await request.started()        # the engine took it; raises what planning refused (AudioError, ValueError, ...)
     await request.aresult()        # -> Transcription (stream=False)
     async for d in request.adeltas(): ...   # TranscriptDeltas (stream=True), the last one with the Transcription
@@ -12,7 +13,8 @@ Errors a request can raise, and what the server answers: ``RequestTimeoutError``
 stopped it: 504), ``EngineClosed`` (shutting down, 503), ``EngineUnavailable``
 (no engine can take it, or the engine process serving it died: 503; ``code`` says which), ``EngineError`` (the
 engine failed while running it: 500), ``RuntimeError`` (aborted underneath, e.g. shutdown: 503), ``AudioError`` /
-``ValueError`` from ``started`` (the audio or the prompt cannot be planned: 400).
+``ValueError`` from ``started`` (the audio or the prompt cannot be planned: 400), ``RequestPreempted`` (a request of
+priority ``Priority.DRAFT`` or worse that the engine dropped for a better one; never an upload).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..options import DecodeOptions
+from ..options import DecodeOptions, Priority
 
 WARMUPS = ("full", "request", "none")
 
@@ -58,8 +60,10 @@ class EngineClient:
     slots: int
 
     def submit(self, audio, decode: DecodeOptions, t_start: float, audio_ms: float = 0.0, pieces=None,
-               stream: bool = False, timeout: float | None = None) -> EngineRequest:
-        """``timeout``: seconds after which the engine aborts the request (``RequestTimeoutError``); None: none."""
+               stream: bool = False, timeout: float | None = None, priority: int = Priority.UPLOAD) -> EngineRequest:
+        """``timeout``: seconds after which the engine aborts the request (``RequestTimeoutError``); None: none.
+        ``priority``: its class (``Priority``, lower first; the server's uploads are ``UPLOAD``); a request of
+        ``Priority.DRAFT`` or worse may end with ``RequestPreempted``."""
         raise NotImplementedError
 
     def warmup(self, mode: str) -> dict:
@@ -145,9 +149,10 @@ class LocalEngineClient(EngineClient):
     def slots(self) -> int:
         return self.asr.options.max_batch
 
-    def submit(self, audio, decode, t_start, audio_ms=0.0, pieces=None, stream=False, timeout=None) -> LocalRequest:
+    def submit(self, audio, decode, t_start, audio_ms=0.0, pieces=None, stream=False, timeout=None,
+               priority=Priority.UPLOAD) -> LocalRequest:
         return LocalRequest(self.asr.submit_loaded(audio, decode, 0, t_start, audio_ms, pieces=pieces,
-                                                   timeout=timeout), stream)
+                                                   timeout=timeout, priority=priority), stream)
 
     def warmup(self, mode: str) -> dict:
         if mode not in WARMUPS:

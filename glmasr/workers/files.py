@@ -34,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
-from ..options import DecodeOptions
+from ..options import DecodeOptions, Priority
 from ..results import Transcription
 from .pool import Worker, WorkerPool, parse_devices
 from ..errors import WorkerStartError
@@ -214,7 +214,7 @@ class DevicePool(WorkerPool):
         t.attempts += 1
         t.t_sent = time.monotonic()
         t.t_first = t.t_first or t.t_sent
-        self._hand(w, t.tid, t, ("submit", t.tid, t.path, self.decode, None, 0.0, None, False, None))
+        self._hand(w, t.tid, t, ("submit", t.tid, t.path, self.decode, None, 0.0, None, False, None, Priority.BATCH))
 
     # ---- the pool's hooks ----
     def _job_message(self, w, t: _Task, msg) -> None:

@@ -17,15 +17,16 @@ jobs a worker holds batch in its engine. Every ``HEARTBEAT_S`` it sends ``("prog
 step count, read on the loop's thread, so a stuck kernel or a deadlock (which holds the engine thread, not the
 pipe) shows as a count that stops moving.
 
-Messages, parent -> worker: ``("submit", id, source, decode, t_start, audio_ms, pieces, stream, timeout)``
-(``source``: decoded ``Audio``, or a file path the worker loads itself, timed from then), ``("abort", id)``,
+Messages, parent -> worker: ``("submit", id, source, decode, t_start, audio_ms, pieces, stream, timeout,
+priority)`` (``source``: decoded ``Audio``, or a file path the worker loads itself, timed from then; ``priority``:
+the engine request's class, ``glmasr.engine.request.Priority``), ``("abort", id)``,
 ``("stop",)``. Worker -> parent: ``ready``, ``start_failed``, ``progress`` as above, and per job
 ``("accepted", id, prompt_tokens)`` or ``("rejected", id, kind, message)``, ``("first", id, t)``,
 ``("delta", id, TranscriptDelta)``... (the last one ``finished``, with the ``Transcription``; with
 ``stream=False`` only that one), ``("failed", id, kind, message)``, always ending with ``("end", id)`` once the
 worker holds nothing of the job (its engine slots are free). ``kind``: the error's stable code
 (``glmasr.errors.error_code``: "invalid_audio", "invalid_value", "shutting_down", "request_timeout", "engine_error",
-..., or "error" for anything else).
+"preempted", ..., or "error" for anything else).
 
 Stopping: ``("stop",)`` or SIGTERM drains (new jobs are rejected as "shutting_down", the ones in hand finish, then the
 process exits 0). A worker whose parent went away (its pipe closed) exits at once: nobody wants its results.
@@ -185,9 +186,9 @@ class _HandleClient:
     def warmup(self, mode: str) -> dict:
         return {}
 
-    def submit(self, audio, decode, t_start, audio_ms, pieces, stream, timeout):
-        return _HandleJob(self.asr.submit_loaded(audio, decode, 0, t_start, audio_ms, pieces=pieces, timeout=timeout),
-                         stream)
+    def submit(self, audio, decode, t_start, audio_ms, pieces, stream, timeout, priority):
+        return _HandleJob(self.asr.submit_loaded(audio, decode, 0, t_start, audio_ms, pieces=pieces, timeout=timeout,
+                                                 priority=priority), stream)
 
 
 class _HandleJob:
@@ -287,16 +288,16 @@ class _Jobs:
         if not self.tasks:
             self.done.set()
 
-    def _submit(self, source, decode, t_start, audio_ms, pieces, stream, timeout):  # a thread
+    def _submit(self, source, decode, t_start, audio_ms, pieces, stream, timeout, priority):  # a thread
         if isinstance(source, str):  # a file: loaded here, timed from here (as ``GlmAsr.submit`` does)
             from glmasr.audio import load_audio
 
             t_start = time.perf_counter()
             source = load_audio(source)
             audio_ms = 1e3 * (time.perf_counter() - t_start)
-        return self.client.submit(source, decode, t_start, audio_ms, pieces, stream, timeout)
+        return self.client.submit(source, decode, t_start, audio_ms, pieces, stream, timeout, priority)
 
-    async def _run(self, name, jid, source, decode, t_start, audio_ms, pieces, stream, timeout) -> None:
+    async def _run(self, name, jid, source, decode, t_start, audio_ms, pieces, stream, timeout, priority) -> None:
         job = None
         try:
             sleep = self.hooks.get("sleep_on")
@@ -304,7 +305,7 @@ class _Jobs:
                 await asyncio.sleep(float(sleep[1]))  # test hook: a slow file
             try:
                 job = await asyncio.to_thread(self._submit, source, decode, t_start, audio_ms, pieces, stream,
-                                              timeout)
+                                              timeout, priority)
             except Exception as e:  # noqa: BLE001 - this job's own problem (the audio, the prompt, ...)
                 self.send(("rejected", jid, *_error_kind(e)))
                 return

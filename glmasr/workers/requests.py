@@ -7,7 +7,9 @@ Process layout. The front end (the uvicorn process) does everything but the mode
 audio decoding (``decode_audio_bytes``), VAD pieces for ``chunking_strategy``, admission, SSE, metrics. Each
 worker (``workers/process.py``, with the server's ``LocalEngineClient``) owns one loaded model on its device and
 runs the single-engine server's own request path (``submit_loaded``: planning, the engine, the transcript
-assembler). A request travels as its decoded 16 kHz samples + ``DecodeOptions`` + VAD pieces + its timeout; its
+assembler). A request travels as its decoded 16 kHz samples + ``DecodeOptions`` + VAD pieces + its timeout and
+priority class (``Priority``: the worker's engine orders and preempts by it; a preempted draft raises
+``RequestPreempted`` here, its error crossing the pipe by code like every other); its
 ``TranscriptDelta``s come back as they are made, the last one with the finished ``Transcription``, so streaming
 and results are exactly the single engine's. The workers warm up as ``warmup(mode)`` says before they are ready.
 
@@ -34,6 +36,8 @@ import itertools
 import threading
 from collections import deque
 
+from ..engine.loop import check_priority
+from ..engine.request import Priority
 from ..errors import EngineClosed, EngineUnavailable, from_code
 from .pool import Worker, WorkerPool
 from .engine_client import WARMUPS, EngineClient, EngineRequest
@@ -205,7 +209,9 @@ class DataParallelEngineClient(WorkerPool, EngineClient):
             return timings
 
     # ---- requests ----
-    def submit(self, audio, decode, t_start, audio_ms=0.0, pieces=None, stream=False, timeout=None) -> RemoteRequest:
+    def submit(self, audio, decode, t_start, audio_ms=0.0, pieces=None, stream=False, timeout=None,
+               priority=Priority.UPLOAD) -> RemoteRequest:
+        priority = check_priority(priority)  # a bad one fails here, not in the worker
         with self._cv:
             if self._closed:
                 raise EngineClosed("the engine workers are shut down")
@@ -220,7 +226,8 @@ class DataParallelEngineClient(WorkerPool, EngineClient):
             w.audio_s += req.audio_s
             w.routed += 1
             w.picked = next(self._picks)
-            self._hand(w, rid, req, ("submit", rid, audio, decode, t_start, audio_ms, pieces, stream, timeout))
+            self._hand(w, rid, req, ("submit", rid, audio, decode, t_start, audio_ms, pieces, stream, timeout,
+                                     priority))
         return req
 
     def _abort(self, req: RemoteRequest) -> None:

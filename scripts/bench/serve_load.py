@@ -26,15 +26,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def start_server(folder, device: str, max_batch: int, max_queue: int, log_path: Path):
+def start_server(folder, device: str, max_batch: int | None, max_queue: int | None, log_path: Path, extra=()):
+    """``glmasr serve`` (``python -m glmasr.cli serve``) in its own process on a free 127.0.0.1 port, its output
+    in ``log_path``; ``extra``: more flags. Returns (process, port, log file)."""
     from glmasr.server.loadgen import free_port
 
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "glmasr.server", "--model", str(folder), "--device", device,
-                             "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--port", str(port),
-                             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    sizes = [*(["--max-batch", str(max_batch)] if max_batch else []),
+             *(["--max-queue", str(max_queue)] if max_queue else [])]
+    proc = subprocess.Popen([sys.executable, "-m", "glmasr.cli", "serve", "--model", str(folder), "--device", device,
+                             *sizes, "--port", str(port), "--log-level", "warning", *extra],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
     return proc, port, log
 
 

@@ -1,0 +1,114 @@
+"""Live transcription sessions under load (issue 24's realtime benchmark), in one run.
+
+    bash benchmark.sh --only realtime [--realtime-sessions 64,256,512] [--realtime-partial-sessions 32,128]
+                      [--realtime-seconds 60]        # as a benchmark.sh section (full-size checkpoint, H200)
+    python -m scripts.bench.realtime_load [--model FOLDER] [--device cuda] [--sessions 64,256,512]
+        [--partial-sessions 32,128] [--seconds 60] [--chunk-ms 40] [--procs P] [--json FILE]
+
+Starts ``glmasr serve`` in its own process on a free 127.0.0.1 port (``--max-realtime-sessions`` above the largest
+N), then for each N in ``--sessions`` runs the load generator's realtime mode (``python -m glmasr.server.loadgen
+--realtime``: N sessions streaming espeak-ng speech with pauses at real-time pace, server_vad turns, finals only),
+then each N in ``--partial-sessions`` with partials on (``interim_results``, a draft every ``--partial-hop-ms``),
+and stops the server (SIGTERM: it drains). Per N: p50/p95/p99 from end of speech to ``completed``, the partial
+update interval, lost/failed turns (must be 0), the server's CPU (its process tree) and GPU use (nvidia-smi); the
+issue's targets on the H200: >= 500 sessions, finals only, p95 <= 300 ms; >= 128 sessions with partials at a 1 s
+hop, p95 interval <= 1.5 s; 0 lost turns. The clients run in ``--procs`` processes (default: one per 128
+sessions, at most 8), so that the client's own interpreter does not become the bottleneck; each row's
+``client_send_lag_ms`` says whether it kept real-time pace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def client_procs(sessions: int) -> int:
+    return max(1, min(8, -(-sessions // 128)))
+
+
+def run(folder, device: str = "cuda", sessions=(64, 256, 512), partial_sessions=(32, 128), seconds: float = 60.0,
+        chunk_ms: int = 40, partial_hop_ms: int = 1000, procs: int | None = None, max_batch: int | None = None,
+        warmup: str = "full", out_dir: Path | None = None, health_timeout_s: float = 600.0,
+        grace: float = 60.0, ramp_s: float | None = None) -> dict:
+    """The section: every level's loadgen row, the table, the server's settings and exit status."""
+    from glmasr.server import loadgen
+    from scripts.bench.serve_load import start_server, stop_server
+
+    out_dir = Path(out_dir or ".")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    top = max([*sessions, *partial_sessions, 1])
+    extra = ["--max-realtime-sessions", str(top + 8), "--max-connections", str(max(1024, top + 64)),
+             "--warmup", warmup]
+    proc, port, log = start_server(folder, device, max_batch, None, out_dir / "realtime_server.log", extra)
+    report = {"seconds_per_level": seconds, "chunk_ms": chunk_ms, "partial_hop_ms": partial_hop_ms,
+              "max_batch": max_batch, "levels": []}
+    try:
+        report["server_ready_s"] = round(loadgen.wait_healthy(port, health_timeout_s, lambda: proc.poll() is None), 1)
+        for partials, levels in ((False, sessions), (True, partial_sessions)):
+            for n in levels:
+                path = out_dir / f"realtime_{n}{'_partials' if partials else ''}.json"
+                argv = ["--realtime", "--url", f"http://127.0.0.1:{port}/v1", "--sessions", str(n), "--seconds",
+                        str(seconds), "--chunk-ms", str(chunk_ms), "--server-pid", str(proc.pid), "--procs",
+                        str(procs or client_procs(n)), "--grace", str(grace), "--json", str(path)]
+                if partials:
+                    argv += ["--partials", "--partial-hop-ms", str(partial_hop_ms)]
+                if ramp_s is not None:
+                    argv += ["--ramp", str(ramp_s)]
+                rc = loadgen.main(argv)
+                result = json.loads(path.read_text())
+                report.setdefault("audio", result["audio"])
+                row = result["levels"][0]
+                row["loadgen_exit_status"] = rc
+                report["levels"].append(row)
+                print(f"[realtime] {json.dumps(row)}", flush=True)
+    finally:
+        report["server_exit_status"] = stop_server(proc)
+        log.close()
+    report["table"] = loadgen.realtime_table(report["levels"])
+    report["ok"] = loadgen.realtime_ok(report["levels"])
+    print(report["table"], flush=True)
+    return report
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    return tuple(int(c) for c in text.split(",") if c.strip())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the full-size random one)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--sessions", default="64,256,512", help="N for finals-only levels (comma-separated)")
+    p.add_argument("--partial-sessions", default="32,128", help="N for levels with partials on ('' for none)")
+    p.add_argument("--seconds", type=float, default=60.0, help="streaming time per level (each session then "
+                                                               "goes on to its next pause)")
+    p.add_argument("--chunk-ms", type=int, default=40)
+    p.add_argument("--partial-hop-ms", type=int, default=1000)
+    p.add_argument("--procs", type=int, default=None, help="client processes (default: one per 128 sessions)")
+    p.add_argument("--max-batch", type=int, default=None, help="the server's slots (default: its own)")
+    p.add_argument("--warmup", default="full", choices=("full", "request", "none"))
+    p.add_argument("--ramp", type=float, default=None,
+                   help="seconds over which a level's sessions start (default: the audio's mean turn period)")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for the logs and rows")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.model is None:
+        from glmasr.checkpoint.random_weights import ensure_full_size_checkpoint
+
+        folder = ensure_full_size_checkpoint()
+    else:
+        folder = args.model
+    report = run(folder, args.device, _sizes(args.sessions), _sizes(args.partial_sessions), args.seconds,
+                 args.chunk_ms, args.partial_hop_ms, args.procs, args.max_batch, args.warmup, Path(args.out),
+                 ramp_s=args.ramp)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
