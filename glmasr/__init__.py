@@ -14,10 +14,10 @@ from .errors import (AudioError, AudioWarning, CheckpointError, ConfigError, Eng
 from .handle import GlmAsr, TranscriptionJob, load
 from .models.config import GlmAsrConfig
 from .options import DecodeOptions, EngineOptions, Priority
-from .results import Segment, Transcription, TranscriptDelta
+from .results import Segment, Transcription, TranscriptDelta, Word
 
 __all__ = ["load", "transcribe", "transcribe_stream", "GlmAsr", "TranscriptionJob", "Transcription",
            "TranscriptDelta", "DecodeOptions", "EngineOptions", "GlmAsrConfig", "AudioError", "CheckpointError",
            "ConfigError", "TokenizerError", "EngineError", "EngineClosed", "RequestTimeoutError", "AudioWarning",
-           "RequestPreempted", "Priority", "Segment", "close_shared_model", "errors"]
+           "RequestPreempted", "Priority", "Segment", "Word", "close_shared_model", "errors"]
 __version__ = "0.1.0"

@@ -58,14 +58,17 @@ class _ModelKey(NamedTuple):
     device: torch.device
     dtype: torch.dtype
     backend: str
+    aligner: object = None  # load's aligner=: a head folder (resolved), a hub id, an Aligner instance, or None
 
 
-def _model_key(model, device) -> _ModelKey:
+def _model_key(model, device, aligner=None) -> _ModelKey:
+    if isinstance(aligner, (str, os.PathLike)) and os.path.isdir(aligner):
+        aligner = os.path.realpath(aligner)
     dev = resolve_device(device)
     if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" are one device when 0 is current
         dev = torch.device("cuda", torch.cuda.current_device())
     backend = "triton" if dev.type == "cuda" else "torch"  # what load's backend "auto" picks
-    return _ModelKey(str(resolve_checkpoint(model).resolve()), dev, resolve_dtype(None, dev), backend)
+    return _ModelKey(str(resolve_checkpoint(model).resolve()), dev, resolve_dtype(None, dev), backend, aligner)
 
 
 class _SharedModel:
@@ -81,14 +84,15 @@ class _SharedModel:
         self._asr: GlmAsr | None = None
         self._users: dict[GlmAsr, int] = {}  # calls between acquire and release, per handle
 
-    def acquire(self, model, device) -> GlmAsr:
-        key = _model_key(model, device)
+    def acquire(self, model, device, aligner=None) -> GlmAsr:
+        key = _model_key(model, device, aligner)
         with self._lock:
             if self._key != key or self._asr is None or self._asr.closed:
                 old, self._asr, self._key = self._asr, None, None
                 if old is not None and not self._users.get(old):
                     old.close()  # before the new load: one model in memory at a time
-                asr = _handle.load(key.folder, device=key.device, dtype=key.dtype, backend=key.backend)
+                asr = _handle.load(key.folder, device=key.device, dtype=key.dtype, backend=key.backend,
+                                   aligner=key.aligner)
                 asr._close_hooks.append(self._forget)
                 self._asr, self._key = asr, key
             self._users[self._asr] = self._users.get(self._asr, 0) + 1
@@ -131,16 +135,19 @@ def close_shared_model() -> None:
 
 
 @contextlib.contextmanager
-def _model_for(model, device):
+def _model_for(model, device, aligner=None):
     """The handle to submit to, held until the block ends (the shared model is not closed under a caller)."""
     if isinstance(model, GlmAsr):
+        if aligner is not None:
+            raise ValueError("aligner= is for a model transcribe() loads itself; this model was loaded already: "
+                             "load it with glmasr.load(model, aligner=PATH) instead")
         if device is not None and not same_device(resolve_device(device), model.device):
             raise ValueError(f"device={device!r} contradicts the loaded model, which is on {model.device}; "
                              f"load it on {device!r} or leave device= out")
         model._check_open()
         yield model
         return
-    asr = _shared.acquire(model, device)
+    asr = _shared.acquire(model, device, aligner)
     try:
         yield asr
     finally:
@@ -180,9 +187,21 @@ def _submit_all(asr: GlmAsr, audio, decode: DecodeOptions, sampling_rate, max_ba
     return jobs, batched
 
 
+def _decode_options(**fields) -> DecodeOptions:
+    """The call's ``DecodeOptions`` (checked there); ``max_segment_s`` without segmentation "vad" is refused
+    rather than ignored (30 s windows are not shaped by it)."""
+    decode = DecodeOptions(**fields)
+    if decode.max_segment_s is not None and decode.segmentation != "vad":
+        raise ValueError(f"max_segment_s={decode.max_segment_s:g} shapes the segments of segmentation='vad'; with "
+                         f"segmentation={decode.segmentation!r} the segments are 30 s windows: pass "
+                         f"segmentation='vad' as well")
+    return decode
+
+
 def transcribe(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new_tokens: int | None = None,
                sampling_rate: int | None = None, device=None, ignore_eos: bool = False, max_batch: int | None = None,
-               repetition_stop: int | None = None, segmentation: str = "windows", timeout: float | None = None):
+               repetition_stop: int | None = None, segmentation: str = "windows", timeout: float | None = None,
+               max_segment_s: float | None = None, word_timestamps: bool = False, aligner=None):
     """Transcribe one audio input or a list of them.
 
     audio: a file path, a numpy array or a torch tensor (then ``sampling_rate`` is required), or a list of
@@ -195,14 +214,24 @@ def transcribe(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new
     ``DecodeOptions``). segmentation: "windows" (30 s windows grouped as the reference processor groups them:
     token-exact with transformers, the default here) or "vad" (speech regions cut at silences into pieces of at
     most 30 s, decoded in parallel, each a segment with its own times: for long recordings and subtitles; the
-    CLI's default). timeout: seconds for the whole call, counted once the model is ready (loading it is not
-    counted); past it the engine drops the call's requests and this raises ``RequestTimeoutError``.
+    CLI's default). max_segment_s (with segmentation="vad" only, else a ValueError): None packs the speech into
+    pieces of up to 30 s (the fewest prompts); a number of seconds (1-30) gives speech-shaped segments: at most
+    that long, cut at the longest pauses (never merged across a pause of 1 s or more), starting 0.1 s before
+    and ending 0.06 s after the speech the VAD finds; each is its own prompt and its own 30 s encoder window, so
+    short ones cost more encoder work (about 6 s suits two-line subtitle cues). timeout: seconds for the whole
+    call, counted once the model is ready (loading it is not counted); past it the engine drops the call's
+    requests and this raises ``RequestTimeoutError``.
+    word_timestamps: each segment's ``words`` with their times, from the model's aligner (a ValueError when it
+    has none). aligner: for a model this call loads itself, ``load``'s ``aligner=`` (a glm-asr-ctc head folder
+    or hub id; part of what identifies the kept model); for a loaded handle, pass it to ``glmasr.load`` instead.
     Thread-safe: calls from many threads share the model's engine. Returns a ``Transcription`` or a list of
     them, in input order.
     """
-    decode = DecodeOptions(prompt, max_new_tokens, ignore_eos, repetition_stop, segmentation)  # checked before loading
+    decode = _decode_options(prompt=prompt, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
+                             repetition_stop=repetition_stop, segmentation=segmentation,
+                             max_segment_s=max_segment_s, word_timestamps=word_timestamps)  # checked before loading
     timeout = check_timeout(timeout)
-    with _model_for(model, device) as asr:
+    with _model_for(model, device, aligner) as asr:
         jobs, batched = _submit_all(asr, audio, decode, sampling_rate, max_batch, timeout)
     try:
         out = [j.result() for j in jobs]
@@ -215,15 +244,18 @@ def transcribe(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new
 def transcribe_stream(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new_tokens: int | None = None,
                       sampling_rate: int | None = None, device=None, max_batch: int | None = None,
                       repetition_stop: int | None = None, segmentation: str = "windows",
-                      timeout: float | None = None) -> Iterator[TranscriptDelta]:
+                      timeout: float | None = None, max_segment_s: float | None = None, word_timestamps: bool = False,
+                      aligner=None) -> Iterator[TranscriptDelta]:
     """Like ``transcribe``, but yields ``TranscriptDelta``s as text is produced (every few decode steps): for a
     list, deltas of different inputs interleave (``.index`` says which); each input's last delta has
     ``finished=True`` and the complete ``Transcription`` in ``.result``. Closing the iterator early aborts the
     requests still running. timeout: as for ``transcribe``, for all of the call's requests (the iterator
-    raises ``RequestTimeoutError``)."""
-    decode = DecodeOptions(prompt, max_new_tokens, repetition_stop=repetition_stop, segmentation=segmentation)
+    raises ``RequestTimeoutError``). segmentation, max_segment_s, word_timestamps, aligner: as for
+    ``transcribe`` (the last delta's result carries the words)."""
+    decode = _decode_options(prompt=prompt, max_new_tokens=max_new_tokens, repetition_stop=repetition_stop,
+                             segmentation=segmentation, max_segment_s=max_segment_s, word_timestamps=word_timestamps)
     timeout = check_timeout(timeout)
-    with _model_for(model, device) as asr:
+    with _model_for(model, device, aligner) as asr:
         jobs, _ = _submit_all(asr, audio, decode, sampling_rate, max_batch, timeout)
     return _merge(jobs)
 

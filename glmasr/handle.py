@@ -11,6 +11,11 @@ timeout (``submit(..., timeout=)``, ``job.result(timeout=)``): the engine drops 
 or running, and the job raises ``RequestTimeoutError``. And a priority class (``submit(..., priority=)``,
 ``Priority``: default ``BATCH``): the engine serves better classes first, and a ``DRAFT`` may be preempted
 (``RequestPreempted``).
+
+Word times: ``load(..., aligner=PATH)`` gives the handle an aligner (``glmasr.align``); a request with
+``DecodeOptions(word_timestamps=True)`` then gets each segment's ``words``, aligned in the caller's thread once
+the transcript is final (after the engine is done with it; the time is ``timings_ms["align_ms"]``). Without an
+aligner such a request is refused at ``submit`` with a ValueError (never made-up times).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from .audio import Audio, load_audio
+from .align import AlignSegment, Aligner, load_aligner
+from .audio import SAMPLE_RATE, Audio, load_audio
 from .models.config import GlmAsrConfig
 from .models.device import resolve_device, resolve_dtype
 from .engine.engine import Engine
@@ -48,8 +54,11 @@ class GlmAsr:
     A context manager: ``with glmasr.load(path) as asr: ...`` closes (frees) it at the end of the block."""
 
     def __init__(self, config: GlmAsrConfig, model, prompts: PromptBuilder, folder: Path, frontend="torch",
-                 options: EngineOptions | None = None, load_timings: dict | None = None):
+                 options: EngineOptions | None = None, load_timings: dict | None = None,
+                 aligner: Aligner | None = None):
         self.config = config
+        # word times for requests with DecodeOptions.word_timestamps (glmasr.align), bound to ``model``; or None
+        self.aligner = aligner
         self.model = model  # GlmAsrModel (plain torch) or FastGlmAsrModel (Triton kernels)
         self.prompts = prompts
         self.folder = folder
@@ -156,7 +165,8 @@ class GlmAsr:
                 return
             self._closed = True
             loop, self._loop, self._engine = self._loop, None, None
-            self.model = self.prompts = None  # the jobs in flight hold what they need (their assembler)
+            # the jobs in flight hold what they need (their assembler, their aligner: freed after the last)
+            self.model = self.prompts = self.aligner = None
             hooks, self._close_hooks = self._close_hooks, []
         if loop is not None:
             loop.close(None if wait else 0)
@@ -237,6 +247,12 @@ class GlmAsr:
         """Plan and queue; ``deadline``: a ``time.monotonic()`` instant (``timeout_s``: the timeout it stands
         for, named in the error)."""
         self._check_open()
+        aligner = self.aligner
+        if decode.word_timestamps and aligner is None:
+            raise ValueError("word_timestamps=True needs an aligner, and this model was loaded without one: load it "
+                             "with glmasr.load(model, aligner=PATH) (transcribe(..., aligner=PATH); the CLI and "
+                             "server: --aligner PATH), PATH a glm-asr-ctc head folder or its hub id "
+                             "(JazerJu/glm-asr-ctc)")
         t_start = time.perf_counter() if t_start is None else t_start
         if pieces is not None:
             plans = plan_pieces(audio, pieces, self.prompts, self.config, decode)
@@ -244,8 +260,9 @@ class GlmAsr:
             plans = plan_audio(audio, self.prompts, self.config, decode, device=self.device)
         assembler = TranscriptAssembler(self.prompts, plans, audio.duration_s, sum(p.num_windows for p in plans),
                                         index, t_start, audio_ms, audio.missing_s if audio.truncated else 0.0)
+        words = _WordTimes(aligner, audio, plans) if decode.word_timestamps else None
         if not plans:  # nothing to decode (no speech found): the job is done already
-            return TranscriptionJob(_DoneStream(assembler), assembler)
+            return TranscriptionJob(_DoneStream(assembler), assembler, words)
         for attempt in (0, 1):
             loop = self.loop
             try:
@@ -257,7 +274,37 @@ class GlmAsr:
                 if attempt:
                     raise
                 # else reconfigure() stopped that engine between the two lines: the next one takes it
-        return TranscriptionJob(stream, assembler)
+        return TranscriptionJob(stream, assembler, words)
+
+
+class _WordTimes:
+    """A job's word-time pass: the aligner and each segment's samples (views of the recording, kept from
+    submit, since the engine drops its copies once encoded), applied once to the final ``Transcription``."""
+
+    def __init__(self, aligner: Aligner, audio: Audio, plans):
+        self.aligner = aligner
+        self.samples = audio.samples
+        # each plan's windows are consecutive samples from start_s (30 s windows, or one piece)
+        self.spans = []
+        for p in plans:
+            a = int(round(p.start_s * SAMPLE_RATE))
+            n = sum(w.shape[0] for w in p.windows) if p.windows is not None else int(round(p.seconds * SAMPLE_RATE))
+            self.spans.append((a, a + n))
+        self.done = False
+
+    def apply(self, result: Transcription) -> None:
+        if self.done or result is None:
+            return
+        self.done = True
+        t0 = time.perf_counter()
+        segments = [AlignSegment(self.samples[a:b], a / SAMPLE_RATE, seg.text)
+                    for (a, b), seg in zip(self.spans, result.segments)]
+        words = self.aligner.align(segments) if segments else []
+        for seg, w in zip(result.segments, words):
+            seg.words = w
+        align_ms = 1e3 * (time.perf_counter() - t0)
+        result.timings_ms["align_ms"] = align_ms
+        result.timings_ms["total_ms"] = result.timings_ms.get("total_ms", 0.0) + align_ms
 
 
 class _DoneStream:
@@ -296,32 +343,44 @@ class TranscriptionJob:
     """One submitted audio: iterate ``deltas()`` (or ``async for`` over ``adeltas()``) for streamed text, or
     wait for ``result()``; ``abort()`` (or closing the delta iterator early) frees its engine slots."""
 
-    def __init__(self, stream, assembler: TranscriptAssembler):
+    def __init__(self, stream, assembler: TranscriptAssembler, words: "_WordTimes | None" = None):
         self.stream = stream
         self.assembler = assembler
+        self._words = words  # with DecodeOptions.word_timestamps: applied to the final result before it is given
 
     @property
     def request_id(self) -> int:
         return self.stream.request_id
 
+    def _complete(self, deltas: list[TranscriptDelta]) -> list[TranscriptDelta]:
+        for d in deltas:
+            if d.finished and self._words is not None:
+                self._words.apply(d.result)
+        return deltas
+
     def deltas(self, stream: bool = True):
         try:
             for out in self.stream:
-                yield from self.assembler.feed(out, stream)
+                yield from self._complete(self.assembler.feed(out, stream))
         finally:
             self.stream.close()  # no-op once finished; an abandoned iteration aborts the request
 
     async def adeltas(self, stream: bool = True):
+        import asyncio
+
         try:
             async for out in self.stream:
                 for d in self.assembler.feed(out, stream):
+                    if d.finished and self._words is not None:  # model work: off the event loop
+                        await asyncio.to_thread(self._words.apply, d.result)
                     yield d
         finally:
             self.stream.close()
 
     def poll(self) -> list[TranscriptDelta]:
-        """The deltas available now, without waiting; ``done`` once the last one was taken."""
-        return [d for out in self.stream.poll() for d in self.assembler.feed(out)]
+        """The deltas available now, without waiting; ``done`` once the last one was taken (with word
+        times, the last one is aligned in this call)."""
+        return self._complete([d for out in self.stream.poll() for d in self.assembler.feed(out)])
 
     @property
     def done(self) -> bool:
@@ -354,13 +413,15 @@ class TranscriptionJob:
 
 
 def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, backend: str = "auto",
-         warmup: bool = False, **engine_options) -> GlmAsr:
+         warmup: bool = False, aligner=None, **engine_options) -> GlmAsr:
     """Load a GLM-ASR checkpoint (local folder or hub id) onto ``device`` (default: CUDA if present) in
     ``dtype`` (default: bf16 on CUDA, fp32 on CPU). ``backend``: "torch" (plain-PyTorch reference path),
     "triton" (Triton kernels + fused weight cache, CUDA only) or "auto" (triton on CUDA, torch on CPU).
     ``engine_options``: fields of ``EngineOptions`` (max_batch, encoder_chunk, ...), over ``GLMASR_*``
     variables. ``warmup=True`` compiles the kernels and captures the graphs now (``GlmAsr.warmup``).
-    ``load_timings`` on the result has ms per stage.
+    ``aligner``: word times for ``DecodeOptions(word_timestamps=True)``: a glm-asr-ctc head folder or hub id
+    (``glmasr.align.CtcAligner``, loaded and checked before the model's weights), or an ``glmasr.align.Aligner``
+    instance; None: no word times. ``load_timings`` on the result has ms per stage.
 
     The tokenizer (importing transformers is most of its cost) and, on CUDA, the log-mel frontend's cubin (an
     NVRTC compile when its cache is cold) are prepared in background threads while the weights stream in."""
@@ -381,6 +442,10 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
         torch.empty(1, device=dev)
         torch.cuda.synchronize(dev)
         timings["cuda_init_ms"] = 1e3 * (time.perf_counter() - t)
+    if aligner is not None:  # before the weights: a bad aligner folder fails fast
+        t = time.perf_counter()
+        aligner = load_aligner(aligner, folder, dev, cfg)
+        timings["aligner_ms"] = 1e3 * (time.perf_counter() - t)
     fast = backend == "triton" or (backend == "auto" and dev.type == "cuda")
     if fast:  # imported here, before the threads start, so no two threads import the same modules at once
         from .models.fast import FastGlmAsrModel
@@ -413,8 +478,10 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
         if frontend_build is not None:
             frontend = frontend_build  # joined when the engine first needs it
     prompts = tokenizer.result(timings)
+    if aligner is not None:
+        aligner.bind(net)
     timings["total_ms"] = 1e3 * (time.perf_counter() - t_start)
-    asr = GlmAsr(cfg, net, prompts, folder, frontend, options, timings)
+    asr = GlmAsr(cfg, net, prompts, folder, frontend, options, timings, aligner)
     if warmup:
         timings.update({f"warmup_{k}": v for k, v in asr.warmup().items()})
     elif dev.type == "cuda" and fast:

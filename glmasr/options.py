@@ -27,6 +27,7 @@ from .engine.request import Priority
 __all__ = ["DecodeOptions", "EngineOptions", "Priority", "SEGMENTATIONS"]
 
 SEGMENTATIONS = ("windows", "vad")
+MIN_SEGMENT_S = 1.0  # the shortest max_segment_s: a cue shorter than a second cannot hold a phrase
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,11 @@ class DecodeOptions:
     forced_prefix_ids: token ids forced as the start of the answer (prefilled after the prompt; decoding continues
     after them; ``max_new_tokens`` counts only the tokens generated after them). Only for audio that forms one
     prompt group (else planning raises a ValueError naming the field); ids must lie in the model's vocabulary and
-    not be its audio placeholder (checked at planning). The result's text and token ids include them."""
+    not be its audio placeholder (checked at planning). The result's text and token ids include them.
+    max_segment_s: with segmentation "vad", speech-shaped segments of at most that many seconds (1-30), cut at the
+    longest pauses and never merged across a pause of 1 s or more, each its own prompt; None: speech packed into
+    pieces of up to 30 s (the fewest prompts). word_timestamps: each segment's ``words`` with times from the model's
+    aligner (``load(..., aligner=PATH)``); without an aligner the request is refused, never given made-up times."""
 
     prompt: str | None = None
     max_new_tokens: int | None = None
@@ -46,6 +51,8 @@ class DecodeOptions:
     repetition_stop: int | None = None
     segmentation: str = "windows"  # "windows" (reference-exact) or "vad" (speech regions, <= 30 s pieces)
     forced_prefix_ids: tuple[int, ...] = ()
+    max_segment_s: float | None = None
+    word_timestamps: bool = False
 
     def __post_init__(self):
         check_positive_int("max_new_tokens", self.max_new_tokens)
@@ -57,6 +64,16 @@ class DecodeOptions:
         if self.segmentation not in SEGMENTATIONS:
             raise ValueError(f"segmentation must be one of {SEGMENTATIONS}, got {self.segmentation!r}")
         object.__setattr__(self, "forced_prefix_ids", check_token_ids("forced_prefix_ids", self.forced_prefix_ids))
+        if self.max_segment_s is not None:
+            if isinstance(self.max_segment_s, bool) or not isinstance(self.max_segment_s, numbers.Real):
+                raise TypeError(f"max_segment_s must be a number of seconds or None, got "
+                                f"{type(self.max_segment_s).__name__}")
+            if not (MIN_SEGMENT_S <= float(self.max_segment_s) <= 30.0):
+                raise ValueError(f"max_segment_s must be between {MIN_SEGMENT_S:g} and 30 seconds, got "
+                                 f"{self.max_segment_s!r}")
+            object.__setattr__(self, "max_segment_s", float(self.max_segment_s))
+        if not isinstance(self.word_timestamps, bool):
+            raise TypeError(f"word_timestamps must be True or False, got {self.word_timestamps!r}")
 
 
 def check_token_ids(name: str, ids) -> tuple[int, ...]:

@@ -4,9 +4,10 @@
   processor, count each window's audio tokens, pack consecutive windows into groups whose prompt + token budget
   fits the decoder's positions (at most 21 windows, the reference's cap), tokenize each group's prompt. The
   windows stay views into the caller's samples until they are encoded. ``plan_pieces``: one group per given
-  piece of at most 30 s (the VAD's, or the caller's). ``DecodeOptions.forced_prefix_ids`` (a forced answer start)
-  are appended to the prompt ids of the one group such audio must form (``GroupPlan.prefix_ids``), so the engine
-  prefills them with the prompt and decodes on from there.
+  piece of at most 30 s (the VAD's, up to ``DecodeOptions.max_segment_s`` with segmentation "vad", or the
+  caller's); each piece is its own padded 30 s encoder window and its own prompt.
+  ``DecodeOptions.forced_prefix_ids`` (a forced answer start) are appended to the prompt ids of the one group such
+  audio must form (``GroupPlan.prefix_ids``), so the engine prefills them with the prompt and decodes on from there.
 - The engine encodes the groups (``engine/encode.py``: features, encoder + projector, prompt embeddings).
 - ``teacher_forced_logits``: our model's logits for forced tokens after an audio's prompt (the comparisons with
   transformers in the tests and the device checks).
@@ -75,13 +76,17 @@ def check_duration(audio: Audio, merge_factor: int) -> None:
 def plan_audio(audio: Audio, prompts, config, decode: DecodeOptions, device=None) -> list[GroupPlan]:
     """The groups of one audio (see the module docstring); raises AudioError / ValueError naming the problem.
     ``decode.segmentation`` "windows": 30 s windows grouped like the reference processor (token-exact with
-    transformers); "vad": speech regions (Silero VAD, ``glmasr.audio.vad``, on ``device``) merged into pieces of at
-    most 30 s, one prompt each, each with its true times."""
+    transformers); "vad": speech regions (Silero VAD, ``glmasr.audio.vad``, on ``device``) merged into pieces, one
+    prompt each, each a segment with the piece's own start and end (speech times, not window times):
+    ``decode.max_segment_s`` None packs them into pieces of up to 30 s (the fewest prompts); a number S gives
+    speech-shaped pieces of at most S seconds cut at pauses (``vad.segment_options``, ``vad.merge_regions``).
+    ``max_segment_s`` is not used with "windows"."""
     check_duration(audio, config.merge_factor)
     if decode.segmentation == "vad":
-        from .audio.vad import segment
+        from .audio.vad import segment, segment_options
 
-        return plan_pieces(audio, segment(audio.samples, max_s=30.0, device=device), prompts, config, decode)
+        pieces = segment(audio.samples, device=device, **segment_options(decode.max_segment_s))
+        return plan_pieces(audio, pieces, prompts, config, decode)
     overhead = len(prompts.encode(1, decode.prompt)) - 1 + len(decode.forced_prefix_ids)
     windows = split_windows(audio.samples)
     tokens = [max(0, int(frames_to_audio_tokens(num_valid_frames(w.shape[0]), config.merge_factor)))

@@ -6,6 +6,17 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Word:
+    """One word with its times (seconds in the recording) from an aligner; probability: the aligner's mean
+    posterior over the word's frames (0-1). A CJK character is a word of its own."""
+
+    word: str
+    start: float
+    end: float
+    probability: float = 0.0
+
+
+@dataclass
 class Segment:
     """A stretch of the audio and its text. Today one per prompt (window group): consecutive 30 s windows from
     ``start`` to ``end`` seconds of the recording, so segment times are window boundaries, not speech times."""
@@ -20,6 +31,7 @@ class Segment:
     # mean natural-log probability of token_ids, each under its greedy step's softmax over the whole vocabulary
     # (the stop token that ended the segment is not in token_ids and not counted); 0.0 for a segment with no token
     avg_logprob: float = 0.0
+    words: list[Word] | None = None  # with DecodeOptions(word_timestamps=True): the words and their times
 
 
 @dataclass

@@ -38,7 +38,7 @@ ENGINE_MAY_IMPORT = ("glmasr.engine", "glmasr.models", "glmasr.errors", "glmasr.
 # The package's rooms, bottom to top: a module may import its own room and rooms of a lower rank only (GUIDE.md's
 # picture: entry points -> handle -> pipeline -> engine -> models -> kernels, with errors under everything).
 RANKS = {"errors": 0, "models": 1, "audio": 2, "checkpoint": 2, "engine": 3, "options": 4, "results": 4,
-         "writers": 5, "transcript": 5, "pipeline": 5, "handle": 6, "api": 7, "__init__": 8, "workers": 9,
+         "writers": 5, "transcript": 5, "pipeline": 5, "align": 5, "diarize": 5, "handle": 6, "api": 7, "__init__": 8, "workers": 9,
          "integrations": 9, "live": 10, "server": 11, "cli": 12}
 
 

@@ -191,46 +191,69 @@ def test_containers_through_pyav(client, asr, tmp_path):
         assert client.audio.transcriptions.create(file=data, model=MODEL).text == ref.text
 
 
-def test_subtitles_and_verbose_json(client, clips):
-    data, ref = clips["d.wav"]
+def speech_shaped(asr, samples: np.ndarray):
+    """(FLAC bytes, decoded Audio, the VAD pieces and the engine's result) of what srt, vtt and verbose_json give
+    by default: speech-shaped segments (VAD pieces of at most writers.SUBTITLE_MAX_SEGMENT_S)."""
+    from glmasr.audio import load_audio
+
+    vad, _ = vad_and_speech()
+    data = encode(samples, "FLAC")
+    audio = load_audio(sf.read(io.BytesIO(data), dtype="float32")[0], 16000)
+    pieces = vad.segment(audio.samples, device="cpu", **vad.segment_options(writers.SUBTITLE_MAX_SEGMENT_S))
+    ref = asr.submit_loaded(audio, DecodeOptions(segmentation="vad", max_segment_s=writers.SUBTITLE_MAX_SEGMENT_S),
+                            pieces=pieces).result()
+    return data, audio, pieces, ref
+
+
+def test_subtitles_and_verbose_json(client, asr):
+    """srt, vtt and verbose_json default to speech-shaped segments: the engine's own result for the VAD pieces of
+    at most SUBTITLE_MAX_SEGMENT_S (chunking_strategy left out)."""
+    _, speech = vad_and_speech()
+    quiet = (np.random.default_rng(3).standard_normal(16000 * 2) * 1e-4).astype(np.float32)
+    data, audio, pieces, ref = speech_shaped(asr, np.concatenate([speech, quiet, speech]))
+    assert len(pieces) == len(ref.segments) >= 2
     srt = client.audio.transcriptions.create(file=data, model=MODEL, response_format="srt")
-    assert srt.startswith("1\n00:00:00,000 --> 00:00:30,000\n") and srt.endswith("\n\n")
+    assert srt.startswith("1\n00:00:00,") and srt.endswith("\n\n")
     assert srt == writers.to_srt(ref)
     vtt = client.audio.transcriptions.create(file=data, model=MODEL, response_format="vtt")
-    assert vtt.startswith("WEBVTT\n\n00:00.000 --> 00:30.000\n") and vtt.endswith("\n\n")
+    assert vtt.startswith("WEBVTT\n\n00:00.") and vtt.endswith("\n\n")
     assert vtt == writers.to_vtt(ref)
     v = client.audio.transcriptions.create(file=data, model=MODEL, response_format="verbose_json",
                                            timestamp_granularities=["segment"], language="en")
-    assert v.text == ref.text and v.duration == pytest.approx(30.0) and v.language == "en"
-    assert v.usage.seconds == pytest.approx(30.0)
-    (seg,) = v.segments
-    (want,) = ref.segments
-    assert (seg.id, seg.start, seg.end, seg.text, seg.tokens) == (0, 0.0, 30.0, ref.text, ref.token_ids)
-    assert seg.compression_ratio == pytest.approx(want.compression_ratio)
-    assert seg.temperature == 0.0 and seg.seek == 0 and seg.no_speech_prob == 0.0
-    assert seg.avg_logprob == pytest.approx(want.avg_logprob, rel=1e-6) and seg.avg_logprob < 0
+    assert v.text == ref.text and v.duration == pytest.approx(audio.duration_s, abs=1e-3) and v.language == "en"
+    assert v.usage.seconds == pytest.approx(audio.duration_s, abs=1e-3) and v.words is None
+    assert len(v.segments) == len(ref.segments)
+    for i, (seg, want, (a, b)) in enumerate(zip(v.segments, ref.segments, pieces)):
+        assert (seg.id, seg.start, seg.end, seg.text, seg.tokens) == \
+            (i, pytest.approx(a, abs=1e-3), pytest.approx(b, abs=1e-3), want.text, want.token_ids)
+        assert seg.compression_ratio == pytest.approx(want.compression_ratio)
+        assert seg.temperature == 0.0 and seg.seek == round(a * 100) and seg.no_speech_prob == 0.0
+        assert seg.avg_logprob == pytest.approx(want.avg_logprob, rel=1e-6) and seg.avg_logprob < 0
     v = client.audio.transcriptions.create(file=data, model=MODEL, response_format="verbose_json")
     assert v.language == "unknown"
 
 
-def test_long_audio_has_one_segment_per_prompt_group(client, asr, tmp_path):
+def test_long_audio_is_two_prompt_groups_in_json_and_speech_pieces_in_subtitles(client, asr, tmp_path):
+    """json and text keep the reference segmentation (450 s: two window groups); verbose_json and srt get the
+    speech-shaped pieces, each at most 7 s."""
     path = tmp_path / "long.flac"
     path.write_bytes(encode(noise(450, 2, rate=8000), "FLAC", 8000))
     ref = asr.submit(str(path)).result()
     assert ref.num_groups == 2
-    v = client.audio.transcriptions.create(file=path.read_bytes(), model=MODEL, response_format="verbose_json")
-    assert v.text == ref.text and [s.id for s in v.segments] == [0, 1]
-    assert v.segments[0].start == 0.0 and v.segments[0].end == v.segments[1].start and v.segments[1].end == 450.0
-    assert v.segments[0].end % 30 == 0
-    assert " ".join(s.text for s in v.segments if s.text) == ref.text
-    assert [t for s in v.segments for t in s.tokens] == ref.token_ids
-    assert [(s.start, s.end, s.text, s.tokens) for s in v.segments] == \
-        [(pytest.approx(w.start, abs=1e-3), pytest.approx(w.end, abs=1e-3), w.text, w.token_ids) for w in ref.segments]
-    srt = client.audio.transcriptions.create(file=path.read_bytes(), model=MODEL, response_format="srt")
-    assert srt == writers.to_srt(ref)
-    cues = [c for c in srt.split("\n\n") if c]
-    assert len(cues) == sum(1 for s in v.segments if s.text)
-    assert cues[-1].split("\n")[1].endswith("--> 00:07:30,000")
+    assert client.audio.transcriptions.create(file=path.read_bytes(), model=MODEL).text == ref.text
+    _, speech = vad_and_speech()
+    gaps = [(np.random.default_rng(k).standard_normal(int(16000 * g)) * 1e-4).astype(np.float32)
+            for k, g in enumerate([0.3, 1.2, 0.6, 2.0] * 4)]
+    samples = np.concatenate([x for g in gaps for x in (speech, g)])
+    data, audio, pieces, shaped = speech_shaped(asr, samples)
+    v = client.audio.transcriptions.create(file=data, model=MODEL, response_format="verbose_json")
+    assert v.text == shaped.text and len(v.segments) == len(pieces) >= 16
+    assert all(s.end - s.start <= writers.SUBTITLE_MAX_SEGMENT_S + 1e-3 for s in v.segments)
+    assert [(s.start, s.end, s.tokens) for s in v.segments] == \
+        [(pytest.approx(a, abs=1e-3), pytest.approx(b, abs=1e-3), w.token_ids)
+         for (a, b), w in zip(pieces, shaped.segments)]
+    srt = client.audio.transcriptions.create(file=data, model=MODEL, response_format="srt")
+    assert srt == writers.to_srt(shaped)
 
 
 def test_prompt_and_keywords_reach_the_model(client, clips, asr, tmp_path):
@@ -273,7 +296,9 @@ def test_chunking_strategy_uses_voice_activity_detection(client, asr):
     for strategy, params in [("auto", {}), ({"type": "server_vad", "threshold": 0.3, "silence_duration_ms": 100,
                                              "prefix_padding_ms": 50},
                                             {"threshold": 0.3, "min_silence_ms": 100, "speech_pad_ms": 50})]:
-        pieces = vad.merge_regions(vad.speech_regions(audio.samples, device="cpu", **params))
+        # verbose_json: speech-shaped pieces (at most 7 s), the request's parameters over the shaping's
+        pieces = vad.segment(audio.samples, device="cpu",
+                             **{**vad.segment_options(writers.SUBTITLE_MAX_SEGMENT_S), **params})
         assert len(pieces) == 2 and pieces[1][0] > 35
         ref = asr.submit_loaded(audio, DecodeOptions(), pieces=pieces).result()
         v = client.audio.transcriptions.create(file=data, model=MODEL, response_format="verbose_json",
@@ -283,7 +308,15 @@ def test_chunking_strategy_uses_voice_activity_detection(client, asr):
             [(pytest.approx(a, abs=1e-3), pytest.approx(b, abs=1e-3), w.token_ids)
              for (a, b), w in zip(pieces, ref.segments)]
     plain = client.audio.transcriptions.create(file=data, model=MODEL, response_format="verbose_json")
-    assert [(s.start, s.end) for s in plain.segments] == [(0.0, pytest.approx(audio.duration_s, abs=1e-3))]
+    auto = client.audio.transcriptions.create(file=data, model=MODEL, response_format="verbose_json",
+                                              chunking_strategy="auto")
+    assert plain.segments == auto.segments  # verbose_json follows the speech without asking
+    # json and text: 30 s pieces with chunking_strategy, the reference windows without
+    packed = vad.merge_regions(vad.speech_regions(audio.samples, device="cpu"))
+    ref = asr.submit_loaded(audio, DecodeOptions(), pieces=packed).result()
+    assert client.audio.transcriptions.create(file=data, model=MODEL, chunking_strategy="auto").text == ref.text
+    windows = asr.submit_loaded(audio, DecodeOptions()).result()
+    assert client.audio.transcriptions.create(file=data, model=MODEL).text == windows.text
     # no speech at all: an empty transcript, no segments, no cues; a stream ends with an empty done event
     silent = encode(quiet[: 16000 * 5])
     assert vad.merge_regions(vad.speech_regions(quiet[: 16000 * 5], device="cpu")) == []
@@ -297,16 +330,18 @@ def test_chunking_strategy_uses_voice_activity_detection(client, asr):
 
 
 def test_the_server_and_transcribe_cut_long_speech_alike(client, asr):
-    """One VAD entry (``audio.vad.segment``) for every caller: speech that runs past 30 s without a long pause is
-    cut at its quietest point, by the server's chunking_strategy exactly as by transcribe(segmentation="vad")."""
+    """One VAD entry (``audio.vad.segment``) for every caller: 42 s of speech without a long pause is cut at its
+    quietest points into pieces of at most 7 s (verbose_json's speech-shaped segments) by the server's
+    chunking_strategy exactly as by transcribe(segmentation="vad", max_segment_s=SUBTITLE_MAX_SEGMENT_S)."""
     vad, speech = vad_and_speech()
     gap = np.zeros(1600, np.float32)  # 100 ms: shorter than a pause that ends a speech region
     reps = int(np.ceil(42 * 16000 / (speech.shape[0] + gap.shape[0])))
     samples = np.concatenate([np.concatenate([speech, gap]) for _ in range(reps)])
     data = encode(samples, "FLAC")
     ref = glmasr.transcribe(sf.read(io.BytesIO(data), dtype="float32")[0], model=asr, sampling_rate=16000,
-                            segmentation="vad")
-    assert len(ref.segments) >= 2 and all(s.end - s.start <= 30.0 + 1e-6 for s in ref.segments)
+                            segmentation="vad", max_segment_s=writers.SUBTITLE_MAX_SEGMENT_S)
+    assert len(ref.segments) >= 6 and all(s.end - s.start <= writers.SUBTITLE_MAX_SEGMENT_S + 1e-6
+                                          for s in ref.segments)
     v = client.audio.transcriptions.create(file=data, model=MODEL, response_format="verbose_json",
                                            chunking_strategy="auto")
     assert [(s.start, s.end, s.tokens) for s in v.segments] == \
@@ -605,7 +640,8 @@ def test_live_server_with_the_openai_client(live, clips):
     data, ref = clips["b.flac"]
     assert c.audio.transcriptions.create(file=data, model=MODEL).text == ref.text
     assert c.audio.transcriptions.create(file=("b.flac", data), model=MODEL, response_format="text") == ref.text
-    assert "-->" in c.audio.transcriptions.create(file=data, model=MODEL, response_format="vtt")
+    # vtt follows the speech the VAD finds (none in this noise clip: a valid file without cues)
+    assert c.audio.transcriptions.create(file=data, model=MODEL, response_format="vtt").startswith("WEBVTT\n")
     events = list(c.audio.transcriptions.create(file=data, model=MODEL, stream=True))
     assert "".join(e.delta for e in events[:-1]) == events[-1].text == ref.text
     with pytest.raises(openai.AuthenticationError):

@@ -76,6 +76,9 @@ def test_wheel_contents(wheel):
     assert {"glmasr/configs/tiny-random.json", "glmasr/configs/glm-asr-nano-2512.json"} <= configs <= names
     assert "glmasr/assets/speech_en.flac" in names
     assert "glmasr/checkpoint/resources.py" in names and "glmasr/cli/main.py" in names
+    # the live room, the Realtime endpoint and the microphone page (package data) are in the wheel
+    assert {"glmasr/live/session.py", "glmasr/server/realtime/routes.py", "glmasr/server/static/index.html",
+            "glmasr/server/static/app.js"} <= names
     assert {"glmasr_kernels/__init__.py", "glmasr_kernels/logmel/__init__.py", "glmasr_kernels/logmel/logmel.cu",
             "glmasr_kernels/logmel/mel_filters.py"} <= names
     cu = {f"glmasr_kernels/logmel/{p.name}" for p in (REPO / "kernels" / "logmel").glob("*.cu*")}
@@ -140,3 +143,13 @@ def test_installed_wheel_runs_the_demo_offline(wheel, tmp_path):
     assert (home / ".cache" / "glmasr" / "tiny-random" / "model.safetensors").is_file()
     assert not (target / "weights").exists() and not (target / "glmasr" / "weights").exists()
     assert not any(p.name == "model.safetensors" for p in target.rglob("*"))
+
+
+def test_every_package_is_listed_in_pyproject():
+    """pyproject.toml lists the packages by hand: a new room left out installs a wheel whose ``import glmasr``
+    fails. Every folder of glmasr/ with an __init__.py (and each data folder) must be listed."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "glmasr").rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)

@@ -23,7 +23,7 @@ import webvtt
 
 import glmasr
 from glmasr.results import Segment, Transcription
-from glmasr.writers import FORMATS, SRT_LINE_CHARS, render, timestamp
+from glmasr.writers import FORMATS, SRT_LINE_CHARS, CueOptions, render, timestamp
 
 from conftest import noise
 
@@ -189,9 +189,10 @@ SUBTITLE_READERS = {
 
 
 def check_subtitles(r: Transcription, tmp_path, without: tuple[str, ...] = ()):
-    """Every reader but those named in ``without`` gives back ``expected_cues``."""
+    """Every reader but those named in ``without`` gives back ``expected_cues`` (cues unwrapped, one line each:
+    the text rules alone; wrapping is tests/test_subtitles.py's)."""
     for fmt, readers in SUBTITLE_READERS.items():
-        doc = render(r, fmt)
+        doc = render(r, fmt, CueOptions(max_line_width=None))
         want = expected_cues(r, fmt)
         for name, read in readers.items():
             if name not in without:

@@ -50,6 +50,30 @@ def int_at_least(low: int):
     return parse
 
 
+def int_between(low: int, high: int):
+    """argparse type: an integer in ``low..high``."""
+
+    def parse(text: str) -> int:
+        value = int_at_least(low)(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
+        return value
+
+    return parse
+
+
+def seconds_between(low: float, high: float):
+    """argparse type: a number of seconds in ``[low, high]``."""
+
+    def parse(text: str) -> float:
+        value = _finite_number(text, low, False, f"between {low:g} and {high:g} seconds")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be between {low:g} and {high:g} seconds, got {text}")
+        return value
+
+    return parse
+
+
 def _finite_number(text: str, minimum: float, strict: bool, what: str) -> float:
     try:
         value = float(text)

@@ -5,6 +5,9 @@ the admitted requests finish (up to ``--drain-timeout`` s; streams included), th
 get an ``error`` event (``shutting_down``) and close code 1012, the engine stops, and the process exits with
 status 0.
 
+``--aligner PATH``: a CTC aligner head loaded beside the model (``glmasr.load(..., aligner=PATH)``): requests may ask
+for word times (``verbose_json`` with ``timestamp_granularities[]=word``); without it such a request is a 400.
+
 ``--data-parallel N [--devices cuda:0,cuda:1,...]``: this process is the front end (HTTP, decoding, limits,
 streaming, metrics) and N engine worker processes each own one loaded model (``glmasr.workers.requests``); devices
 default to cuda:0..N-1 (``cpu`` entries work too; an entry may repeat). SIGTERM then drains the workers too.
@@ -25,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="checkpoint folder, hub id, or 'tiny-random'; default as for `glmasr`: local "
                         "weights/GLM-ASR-Nano-2512 if present, else zai-org/GLM-ASR-Nano-2512")
+    p.add_argument("--aligner", default=None, metavar="PATH",
+                   help="a CTC aligner head's folder (the glm-asr-ctc layout) or hub id: requests may then ask for "
+                        "word times (verbose_json with timestamp_granularities[]=word); one engine only, not with "
+                        "--data-parallel")
     p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                    help="another name clients may send as `model` (repeatable); always served: glm-asr-nano-2512 "
                         "and the checkpoint folder's name")
@@ -104,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = pick_model(args.model)
         if data_parallel:
+            if args.aligner is not None:
+                raise ValueError("--aligner works with one engine, not with --data-parallel or --devices")
             engine = _data_parallel_client(args, model)
         else:
-            engine = glmasr.load(model, device=args.device, dtype=args.dtype, max_batch=args.max_batch)
+            aligner = {"aligner": args.aligner} if args.aligner is not None else {}
+            engine = glmasr.load(model, device=args.device, dtype=args.dtype, max_batch=args.max_batch, **aligner)
         extra = list(args.served_model_name)
         if args.model not in (None, "tiny-random"):
             extra.append(args.model)
@@ -121,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       max_session_s=args.realtime_max_session_s,
                                                       idle_timeout_s=args.realtime_idle_timeout_s,
                                                       max_buffer_s=args.realtime_max_buffer_s))
-    except (glmasr.CheckpointError, glmasr.ConfigError, glmasr.TokenizerError, ValueError) as e:
+    except (glmasr.CheckpointError, glmasr.ConfigError, glmasr.TokenizerError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     where = (f"{len(engine.devices)} engine workers ({','.join(engine.devices)})" if data_parallel

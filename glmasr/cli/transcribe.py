@@ -17,6 +17,17 @@ is ever left half-written.
 Segmentation: ``vad`` unless ``--segmentation windows``. If the Silero VAD weights (the ``silero-vad``
 distribution, a dependency of the package) are missing all the same, one warning says so and the run cuts files
 into 30 s windows instead; an explicit ``--segmentation vad`` is an error then (exit status 2, before any work).
+With VAD, ``--max-segment-s`` (1-30) is the longest segment: speech-shaped segments cut at pauses. Its default
+is ``writers.SUBTITLE_MAX_SEGMENT_S`` (6 s) when srt or vtt is among the formats (cues a viewer can read), else
+none (speech packed into pieces of up to 30 s, the fewest prompts); with ``--segmentation windows`` it is an error.
+
+Word times and subtitles: ``--aligner PATH`` loads a CTC aligner head (``glmasr.load(..., aligner=PATH)``) and
+turns word times on (``--word-timestamps``, which without ``--aligner`` is an error, exit status 2): json segments
+carry their ``words``, tsv is written one row per word, and srt/vtt cues are cut at word times into at most
+``--max-line-count`` lines (default 2) of ``--max-line-width`` characters (default 42) and at most
+``--max-cue-s`` seconds (default 7); ``--highlight-words`` writes one cue per word, underlined (it needs word
+times). Without word times a cue is a segment with its own times, its text wrapped at ``--max-line-width``
+(``glmasr.writers``: no time is invented). ``--aligner`` works with one engine, not with ``--devices``.
 
 How a run goes: ``LOADERS`` threads decode the files and find their speech (VAD) ahead of the engine, taking them
 in input order, with at most ``IN_FLIGHT`` files held at once (being read or in the engine), so VAD of the next
@@ -53,7 +64,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from .common import int_at_least, pick_model, positive_float, positive_int
+from .common import int_at_least, int_between, pick_model, positive_float, positive_int, seconds_between
 
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".m4a", ".mp4", ".webm", ".aac", ".aif",
                   ".aiff", ".wma", ".mka", ".mkv"}
@@ -76,6 +87,13 @@ def parse_formats(value: str) -> list[str]:
         if f not in out:
             out.append(f)
     return out
+
+
+def line_width(text: str) -> int:
+    """argparse type of --max-line-width: 0 (no wrapping) up to ``writers.SRT_LINE_CHARS``."""
+    from ..writers import SRT_LINE_CHARS
+
+    return int_between(0, SRT_LINE_CHARS)(text)
 
 
 @dataclass(frozen=True)
@@ -185,6 +203,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "(by default, if the Silero VAD weights are missing: one warning, then windows; asked for "
                         "explicitly: an error); windows: 30 s windows grouped like the reference processor "
                         "(token-exact with transformers)")
+    p.add_argument("--max-segment-s", type=seconds_between(1.0, 30.0), default=None, metavar="S",
+                   help="with vad: the longest segment, 1-30 s, speech-shaped (cut at pauses); default 7 when srt "
+                        "or vtt is written, else speech packed into pieces of up to 30 s")
+    p.add_argument("--word-timestamps", action="store_true",
+                   help="word times from the aligner (needs --aligner): json and tsv carry the words, srt/vtt cues "
+                        "are cut at word times")
+    p.add_argument("--aligner", default=None, metavar="PATH",
+                   help="a CTC aligner head's folder (the glm-asr-ctc layout) or hub id; turns --word-timestamps on")
+    p.add_argument("--max-line-width", type=line_width, default=42, metavar="N",
+                   help="srt/vtt: characters per line (default 42; 0: no wrapping, one line per cue)")
+    p.add_argument("--max-line-count", type=positive_int, default=2, metavar="N",
+                   help="srt/vtt with word times: lines per cue (default 2)")
+    p.add_argument("--max-cue-s", type=positive_float, default=7.0, metavar="S",
+                   help="srt/vtt with word times: the longest cue in seconds (default 7)")
+    p.add_argument("--highlight-words", action="store_true",
+                   help="srt/vtt with word times: one cue per word, the word underlined")
     p.add_argument("--prompt", default=None, help="instruction text (default: the model's transcription prompt)")
     p.add_argument("--hotwords", nargs="+", default=None, metavar="WORD",
                    help="words or phrases to favour, added to the instruction")
@@ -217,6 +251,32 @@ def main(argv: list[str] | None = None) -> int:
             raise
 
 
+def check_word_flags(args) -> str | None:
+    """The message of flags that do not go together (None: they do): word times need an aligner, highlighted
+    words need word times, --max-segment-s needs VAD segmentation."""
+    if args.word_timestamps and args.aligner is None:
+        return ("--word-timestamps needs an aligner: give --aligner PATH (a CTC aligner head's folder, the "
+                "glm-asr-ctc layout); the model alone gives no word times")
+    if args.highlight_words and not (args.word_timestamps or args.aligner is not None):
+        return "--highlight-words needs word times: give --word-timestamps and --aligner PATH"
+    if args.max_segment_s is not None and args.segmentation == "windows":
+        return (f"--max-segment-s {args.max_segment_s:g} shapes the segments of --segmentation vad; with "
+                f"--segmentation windows the segments are 30 s windows")
+    return None
+
+
+def max_segment_s(args, segmentation: str) -> float | None:
+    """The run's ``DecodeOptions.max_segment_s``: --max-segment-s, else with VAD and srt or vtt among the formats
+    the subtitle default (``writers.SUBTITLE_MAX_SEGMENT_S``), else None (30 s pieces)."""
+    if segmentation != "vad":
+        return None
+    if args.max_segment_s is not None:
+        return args.max_segment_s
+    from ..writers import SUBTITLE_MAX_SEGMENT_S
+
+    return SUBTITLE_MAX_SEGMENT_S if {"srt", "vtt"} & set(args.format) else None
+
+
 class _Stopped(Exception):
     """A loader found the run stopping before it began a file."""
 
@@ -229,6 +289,7 @@ class _Run:
         self.guard: _SigintGuard | None = None
         self.todo: list[tuple[InputFile, dict[str, Path]]] = []
         self.decode = None
+        self.cues = None  # writers.CueOptions
         self.asr = None
         self.pool = None  # DevicePool with --devices
         self.loaders: ThreadPoolExecutor | None = None
@@ -244,6 +305,10 @@ class _Run:
         import glmasr
         from ..checkpoint.tokenizer import build_instruction
 
+        flag_error = check_word_flags(args)
+        if flag_error is not None:
+            print(f"error: {flag_error}", file=sys.stderr)
+            return 2
         files, problems = collect_inputs(args.inputs)
         for msg in problems:
             print(f"error: {msg}", file=sys.stderr)
@@ -268,13 +333,24 @@ class _Run:
         if segmentation is None:
             return 2
         try:
+            from ..writers import CueOptions
+
+            self.cues = CueOptions(max_line_width=args.max_line_width or None, max_line_count=args.max_line_count,
+                                   max_cue_s=args.max_cue_s, highlight_words=args.highlight_words)
+            words = args.word_timestamps or args.aligner is not None
             self.decode = glmasr.DecodeOptions(prompt=build_instruction(args.prompt, args.hotwords or []),
                                                max_new_tokens=args.max_new_tokens,
-                                               repetition_stop=args.repetition_stop, segmentation=segmentation)
+                                               repetition_stop=args.repetition_stop, segmentation=segmentation,
+                                               max_segment_s=max_segment_s(args, segmentation),
+                                               word_timestamps=words)
             options = {"max_batch": args.max_batch} if args.max_batch is not None else {}
+            if args.aligner is not None:
+                options["aligner"] = args.aligner
             if args.devices is not None:
                 if args.device is not None:
                     raise ValueError("give --device or --devices, not both")
+                if args.aligner is not None:
+                    raise ValueError("--aligner works with one engine (--device), not with --devices")
                 from ..workers import DevicePool
 
                 self.pool = DevicePool(args.devices, model=pick_model(args.model), dtype=args.dtype,
@@ -295,7 +371,7 @@ class _Run:
             if segmentation != "vad":
                 import dataclasses
 
-                self.decode = dataclasses.replace(self.decode, segmentation=segmentation)
+                self.decode = dataclasses.replace(self.decode, segmentation=segmentation, max_segment_s=None)
         return self._run_local()
 
     def _segmentation(self, device) -> str | None:
@@ -339,7 +415,8 @@ class _Run:
         import torch
 
         with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
-            return audio, vad.segment(audio.samples, max_s=30.0, device=device, cancel=self.cancel)
+            return audio, vad.segment(audio.samples, device=device, cancel=self.cancel,
+                                      **vad.segment_options(self.decode.max_segment_s))
 
     def _run_local(self) -> int:
         asr, n = self.asr, len(self.todo)
@@ -429,7 +506,7 @@ class _Run:
         try:
             with self.guard.deferred():  # a Ctrl-C now takes effect once this file's outputs are all written
                 for fmt, path in outs.items():
-                    _write_atomic(path, render(r, fmt), self.guard.temp_files)
+                    _write_atomic(path, render(r, fmt, self.cues), self.guard.temp_files)
                 self.progress.done(i, r.duration_s, f.path)
         except Exception as e:  # noqa: BLE001 - this file's outputs could not be written; the others go on
             self._failed(i, e)

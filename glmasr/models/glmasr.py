@@ -48,6 +48,15 @@ class GlmAsrModel(nn.Module):
         """Log-mel windows (W, n_mels, 3000) -> projected audio embeddings (W, 375, text_hidden)."""
         return self.multi_modal_projector(self.audio_tower(features))
 
+    def encode_states(self, features: torch.Tensor) -> torch.Tensor:
+        """Log-mel windows (W, n_mels, F), F <= 3000 -> encoder states before the projector (W, ceil(F / 2),
+        audio_hidden): for aligners."""
+        limit = 2 * self.cfg.audio.max_position_embeddings
+        if features.ndim != 3 or not 0 < features.shape[2] <= limit:
+            raise ValueError(f"features must be (windows, n_mels, frames) with 1..{limit} frames, got "
+                             f"{tuple(features.shape)}")
+        return self.audio_tower(features)
+
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_tokens(ids)
 

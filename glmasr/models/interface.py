@@ -1,4 +1,5 @@
-"""The model interface the engine runs: what ``engine/model_runner.py`` may call, and nothing else.
+"""The model interface the engine runs: what ``engine/model_runner.py`` may call, and nothing else (plus
+``encode_states``, which only aligners call, outside the engine and its graphs).
 
 Two implementations satisfy it: ``GlmAsrModel`` (models/glmasr.py, the plain-PyTorch reference, any device) and
 ``FastGlmAsrModel`` (models/fast.py, the GPU path on Triton kernels). A model is graph-free: CUDA graphs of
@@ -44,6 +45,12 @@ class AsrModel(Protocol):
 
     def encode_audio(self, features: torch.Tensor) -> torch.Tensor:
         """Log-mel windows (W, n_mels, 3000) -> projected audio embeddings (W, 375, text_hidden)."""
+        ...
+
+    def encode_states(self, features: torch.Tensor) -> torch.Tensor:
+        """Log-mel windows (W, n_mels, F) of any length F <= 3000 (unpadded audio gives states of exactly that
+        audio) -> the audio encoder's final-normed states before the projector, (W, ceil(F / 2), audio_hidden),
+        50 per second, in the model dtype. For aligners (glmasr.align); an eager call, never graph-captured."""
         ...
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:

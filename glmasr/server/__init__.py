@@ -6,7 +6,9 @@
 - ``http``: connection timeouts, request framing, uvicorn's settings; ``uploads``: bodies under time and size limits;
 - ``serving``: upload decoding with limits, admission, the errors' answers, the async transcription over an engine
   client (``glmasr.workers.engine_client``: the in-process engine or ``--data-parallel`` workers);
-- ``metrics``: Prometheus; ``loadgen``: the load generator.
+- ``metrics``: Prometheus; ``loadgen``: the load generator (uploads, and realtime sessions at real-time pace);
+- ``realtime``: OpenAI's Realtime transcription sessions over WebSocket (``/v1/realtime``) on ``glmasr.live``;
+  ``static``: the microphone page served at ``/`` and ``/demo``.
 The command is ``glmasr serve`` (``glmasr.cli.serve``).
 """
 

@@ -18,23 +18,31 @@ Request fields (multipart/form-data, as the ``openai`` client sends them: list f
 - ``temperature``: absent or 0 = greedy decoding, the only decoding the engine implements; any other value is a 400.
 - ``response_format``: ``json`` (default), ``text``, ``srt``, ``vtt``, ``verbose_json``.
 - ``timestamp_granularities[]``: ``segment`` is accepted with every format (as OpenAI does; only
-  ``verbose_json`` carries segments); ``word`` needs ``verbose_json`` (a 400 otherwise, as OpenAI answers) and is a
-  400 until word times exist.
+  ``verbose_json`` carries segments); ``word`` needs ``verbose_json`` (a 400 otherwise, as OpenAI answers) and a
+  server started with an aligner (``glmasr serve --aligner PATH``; else a 400 naming both): the answer then has
+  ``words`` (word, start, end: every segment's words in order, times from the aligner), and ``segments`` only when
+  ``segment`` is asked for too, as OpenAI answers.
 - ``stream``: "true" sends server-sent events (``transcript.text.delta`` ..., ``transcript.text.done``,
   ``[DONE]``); with ``response_format`` json or text only.
-- ``chunking_strategy``: left out = the reference segmentation (non-overlapping 30 s windows packed into prompts of
-  up to 21 windows: token-exact with transformers). ``auto`` or ``{"type": "server_vad", ...}`` = voice activity
-  detection (``glmasr.audio.vad``, Silero VAD, run on the CPU in the request's worker thread): speech regions merged
-  into pieces of at most 30 s, one prompt and one segment (with its true times) each; a recording with no speech
-  gives an empty text. ``server_vad``'s ``threshold`` (0-1, default 0.5), ``silence_duration_ms`` (the silence that
-  ends a region, default 500) and ``prefix_padding_ms`` (padding around each region, default 200) are passed on;
-  ``auto`` uses the defaults. Needs the ``vad`` extra (else a 400 saying so).
+- ``chunking_strategy``: ``auto`` or ``{"type": "server_vad", ...}`` = voice activity detection
+  (``glmasr.audio.vad``, Silero VAD, run on the CPU in the request's worker thread): speech regions merged into
+  pieces, one prompt and one segment (with its true times) each; a recording with no speech gives an empty text.
+  The pieces are speech-shaped, at most ``SUBTITLE_MAX_SEGMENT_S`` (6 s) and cut at pauses
+  (``vad.segment_options``), for ``srt``, ``vtt`` and ``verbose_json``; packed into pieces of up to 30 s for
+  ``json`` and ``text``. ``server_vad``'s ``threshold`` (0-1, default 0.5), ``silence_duration_ms`` (the silence
+  that ends a region, default 500) and ``prefix_padding_ms`` (the padding before each region, default 200, or 100
+  for speech-shaped pieces; after it too with 30 s pieces) are passed on; ``auto``
+  uses the defaults. Needs the ``vad`` extra (else a 400 saying so). Left out: ``srt``, ``vtt`` and
+  ``verbose_json`` get the same speech-shaped segments (as ``auto``; if the VAD's weights are missing, 30 s windows
+  instead), ``json`` and ``text`` the reference segmentation (non-overlapping 30 s windows packed into prompts of
+  up to 21 windows: token-exact with transformers).
 - ``include[]`` (logprobs), ``languages[]``, ``known_speaker_*``: not implemented, a 400; any other field: a 400.
 
-Segments: ``verbose_json``'s segments, and the SRT/VTT cues (``glmasr.writers``), are the result's own
-``Transcription.segments``: today one per prompt (window group: consecutive 30 s windows, one group for audio up to
-~7 minutes at the default budget), spanning exactly the audio of that prompt, with that prompt's text and tokens.
-A segment's times are the bounds of the audio it came from, not of the speech in it. Of the fields the OpenAI
+Segments: ``verbose_json``'s segments are the result's own ``Transcription.segments``: one per prompt, spanning
+exactly the audio of that prompt (a speech piece; with 30 s windows a window group, whose times are the bounds
+of the audio, not of the speech in it), with that prompt's text and tokens. The SRT/VTT cues are cut from them by
+``glmasr.writers`` (default ``CueOptions``: lines of 42 characters; at word times into cues of at most 2 lines
+and 7 s where the segment has words). Of the fields the OpenAI
 segment type requires, ``avg_logprob`` is the engine's (``Segment.avg_logprob``: the mean natural-log probability
 of the segment's tokens, each under its greedy step's softmax; the stop token is not counted; 0.0 for a segment
 with no token); ``no_speech_prob`` is not computed (0.0); ``compression_ratio`` is the engine's (text bytes over
@@ -48,8 +56,11 @@ import json
 from dataclasses import dataclass, field
 
 from ..checkpoint.tokenizer import build_instruction
+from ..writers import SUBTITLE_MAX_SEGMENT_S
 
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+# formats whose segments are seen (cues, segment times): speech-shaped segments by default
+SPEECH_SHAPED_FORMATS = ("srt", "vtt", "verbose_json")
 DEFAULT_MODEL_NAME = "glm-asr-nano-2512"
 MAX_PROMPT_CHARS = 4000
 MAX_KEYWORDS = 100
@@ -117,11 +128,27 @@ class TranscriptionRequest:
     response_format: str = "json"
     stream: bool = False
     granularities: list[str] = field(default_factory=list)
-    vad: dict | None = None  # chunking by VAD: keyword arguments of glmasr.audio.vad.speech_regions; None = 30 s windows
+    vad: dict | None = None  # chunking_strategy: keyword arguments of glmasr.audio.vad.speech_regions; None = not sent
 
     @property
     def instruction(self) -> str | None:
         return build_instruction(self.prompt, self.keywords)
+
+    @property
+    def words(self) -> bool:
+        """Word times asked for (``timestamp_granularities[]=word``)."""
+        return "word" in self.granularities
+
+    @property
+    def speech_shaped(self) -> bool:
+        """Segments follow the speech (VAD pieces of at most ``max_segment_s``) without chunking_strategy."""
+        return self.response_format in SPEECH_SHAPED_FORMATS
+
+    @property
+    def max_segment_s(self) -> float | None:
+        """``DecodeOptions.max_segment_s`` of VAD pieces: the subtitle default for the formats whose segments are
+        seen, else None (pieces of up to 30 s)."""
+        return SUBTITLE_MAX_SEGMENT_S if self.speech_shaped else None
 
 
 def _text_field(form, name: str) -> str | None:
@@ -209,12 +236,9 @@ def parse_form(form, file, size: int, filename: str) -> TranscriptionRequest:
         if g not in ("segment", "word"):
             raise bad_request(f"timestamp_granularities[] entries must be 'segment' or 'word', got {g!r}",
                               "timestamp_granularities")
-    if "word" in granularities:
-        if response_format != "verbose_json":
-            raise bad_request("timestamp_granularities[]=word needs response_format=verbose_json",
-                              "timestamp_granularities")
-        raise bad_request("timestamp_granularities[]=word is not supported yet: the engine has no word "
-                          "timestamps; use segment", "timestamp_granularities", "unsupported_value")
+    if "word" in granularities and response_format != "verbose_json":
+        raise bad_request("timestamp_granularities[]=word needs response_format=verbose_json",
+                          "timestamp_granularities")
     stream = _bool_field(form, "stream")
     if stream and response_format not in ("json", "text"):
         raise bad_request(f"stream=true sends transcript.text events; response_format={response_format} cannot be "

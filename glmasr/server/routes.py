@@ -274,5 +274,6 @@ def _unknown_model(name: str, names) -> APIError:
 
 
 def _render(req: protocol.TranscriptionRequest, started, result) -> Response:
-    body, media_type = writers.render_openai(result, req.response_format, started.audio.duration_s, req.language)
+    body, media_type = writers.render_openai(result, req.response_format, started.audio.duration_s, req.language,
+                                             req.granularities)
     return Response(body, media_type=media_type)

@@ -12,6 +12,7 @@ response object is done), a plain one by a watcher on the connection's ``http.di
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from . import protocol
 from ..workers.engine_client import EngineRequest
 from .metrics import Metrics
 from .protocol import APIError, TranscriptionRequest
+
+log = logging.getLogger("glmasr.server")
 
 
 def decode_upload(file, filename: str, max_audio_s: float | None) -> Audio:
@@ -38,15 +41,27 @@ def decode_upload(file, filename: str, max_audio_s: float | None) -> Audio:
         raise api_error(e) from None
 
 
-def vad_pieces(audio: Audio, params: dict) -> list[tuple[float, float]]:
-    """Speech pieces of at most 30 s through the one VAD entry every caller uses (``audio.vad.segment``: what
-    ``transcribe(segmentation="vad")`` and ``glmasr transcribe`` cut), on the CPU so the GPU stays the engine's."""
-    from ..audio.vad import segment
+def vad_pieces(audio: Audio, params: dict, max_segment_s: float | None = None) -> list[tuple[float, float]]:
+    """Speech pieces through the one VAD entry every caller uses (``audio.vad.segment`` with
+    ``vad.segment_options(max_segment_s)``: what ``transcribe(segmentation="vad", max_segment_s=...)`` and
+    ``glmasr transcribe`` cut; ``params``, the request's chunking_strategy, over those), on the CPU so the GPU stays
+    the engine's. Raises ``VadUnavailableError`` without the VAD's weights."""
+    from ..audio.vad import segment, segment_options
 
-    try:
-        return segment(audio.samples, max_s=30.0, device="cpu", **params)
-    except VadUnavailableError as e:
-        raise api_error(e) from None
+    return segment(audio.samples, device="cpu", **{**segment_options(max_segment_s), **params})
+
+
+def has_aligner(engine) -> bool:
+    """Whether the engine client gives word times: the in-process engine's handle was loaded with an aligner
+    (``GlmAsr.aligner``); the ``--data-parallel`` workers have none."""
+    return getattr(getattr(engine, "asr", None), "aligner", None) is not None
+
+
+def no_aligner() -> APIError:
+    return protocol.bad_request(
+        "timestamp_granularities[]=word needs word times, and this server has no aligner: start it with "
+        "`glmasr serve --aligner PATH` (a CTC aligner head), or ask for timestamp_granularities[]=segment",
+        "timestamp_granularities", "unsupported_value")
 
 
 class Slots:
@@ -167,15 +182,36 @@ class TranscriptionService:
         self.metrics = metrics
         self.max_audio_s = max_audio_s
         self.request_timeout_s = request_timeout_s
+        self.word_times = has_aligner(engine)
+        self._warned_vad = False
+
+    def _pieces(self, req: TranscriptionRequest, audio: Audio) -> list[tuple[float, float]] | None:
+        """The request's VAD pieces (None: 30 s windows): with its chunking_strategy, or by default for the
+        formats whose segments are seen (``TranscriptionRequest.speech_shaped``; 30 s windows, one log line, when
+        the VAD's weights are missing, as it was not asked for)."""
+        if req.vad is None and not req.speech_shaped:
+            return None
+        try:
+            return vad_pieces(audio, req.vad or {}, req.max_segment_s)
+        except VadUnavailableError as e:
+            if req.vad is not None:
+                raise api_error(e) from None
+            if not self._warned_vad:
+                self._warned_vad = True
+                log.warning("no speech-shaped segments for %s: %s; 30 s windows instead", req.response_format, e)
+            return None
 
     def _prepare(self, req: TranscriptionRequest, t0: float) -> Started:
         t_audio = time.perf_counter()
         audio = decode_upload(req.file, req.filename, self.max_audio_s)
         audio_ms = 1e3 * (time.perf_counter() - t_audio)
-        pieces = None if req.vad is None else vad_pieces(audio, req.vad)
+        pieces = self._pieces(req, audio)
+        vad = pieces is not None
+        decode = DecodeOptions(prompt=req.instruction, segmentation="vad" if vad else "windows",
+                               max_segment_s=req.max_segment_s if vad else None, word_timestamps=req.words)
         try:
-            job = self.engine.submit(audio, DecodeOptions(prompt=req.instruction), t0, audio_ms, pieces,
-                                     req.stream, timeout=self.request_timeout_s)
+            job = self.engine.submit(audio, decode, t0, audio_ms, pieces, req.stream,
+                                     timeout=self.request_timeout_s)
         except Exception as e:
             err = api_error(e)
             if err is None:
@@ -185,7 +221,10 @@ class TranscriptionService:
 
     async def start(self, req: TranscriptionRequest, t0: float) -> Started:
         """Decode, plan and submit in a worker thread, then wait until the engine has taken it. If the caller is
-        cancelled meanwhile, the job that the thread still submits is aborted as soon as it exists."""
+        cancelled meanwhile, the job that the thread still submits is aborted as soon as it exists. Word times
+        without an aligner are refused first (a 400)."""
+        if req.words and not self.word_times:
+            raise no_aligner()
         fut = asyncio.get_running_loop().run_in_executor(None, self._prepare, req, t0)
         try:
             started = await asyncio.shield(fut)
