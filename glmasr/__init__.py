@@ -9,8 +9,9 @@
 
 from . import errors
 from .api import close_shared_model, transcribe, transcribe_stream
-from .errors import (AudioError, AudioWarning, CheckpointError, ConfigError, EngineClosed, EngineError,
-                     RequestPreempted, RequestTimeoutError, TokenizerError)
+from .errors import (AudioError, AudioWarning, CheckpointError, ConfigError, DiarizationUnavailableError,
+                     EngineClosed, EngineError, InvalidSpeakerReference, RequestPreempted, RequestTimeoutError,
+                     TokenizerError)
 from .handle import GlmAsr, TranscriptionJob, load
 from .models.config import GlmAsrConfig
 from .options import DecodeOptions, EngineOptions, Priority
@@ -19,5 +20,5 @@ from .results import Segment, Transcription, TranscriptDelta, Word
 __all__ = ["load", "transcribe", "transcribe_stream", "GlmAsr", "TranscriptionJob", "Transcription",
            "TranscriptDelta", "DecodeOptions", "EngineOptions", "GlmAsrConfig", "AudioError", "CheckpointError",
            "ConfigError", "TokenizerError", "EngineError", "EngineClosed", "RequestTimeoutError", "AudioWarning",
-           "RequestPreempted", "Priority", "Segment", "Word", "close_shared_model", "errors"]
+           "RequestPreempted", "Priority", "Segment", "Word", "DiarizationUnavailableError", "InvalidSpeakerReference", "close_shared_model", "errors"]
 __version__ = "0.1.0"

@@ -189,8 +189,16 @@ def _submit_all(asr: GlmAsr, audio, decode: DecodeOptions, sampling_rate, max_ba
 
 def _decode_options(**fields) -> DecodeOptions:
     """The call's ``DecodeOptions`` (checked there); ``max_segment_s`` without segmentation "vad" is refused
-    rather than ignored (30 s windows are not shaped by it)."""
+    rather than ignored (30 s windows are not shaped by it); with diarize, the known speakers
+    (``InvalidSpeakerReference``) and the weights (``DiarizationUnavailableError``) are checked here, before any
+    model is loaded."""
     decode = DecodeOptions(**fields)
+    if decode.diarize:
+        from .diarize import check_known, weights
+
+        check_known(decode.known_speakers)
+        for name in (weights.SEGMENTATION_FILE, weights.EMBEDDING_FILE):
+            weights.data_file(name)
     if decode.max_segment_s is not None and decode.segmentation != "vad":
         raise ValueError(f"max_segment_s={decode.max_segment_s:g} shapes the segments of segmentation='vad'; with "
                          f"segmentation={decode.segmentation!r} the segments are 30 s windows: pass "
@@ -201,7 +209,9 @@ def _decode_options(**fields) -> DecodeOptions:
 def transcribe(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new_tokens: int | None = None,
                sampling_rate: int | None = None, device=None, ignore_eos: bool = False, max_batch: int | None = None,
                repetition_stop: int | None = None, segmentation: str = "windows", timeout: float | None = None,
-               max_segment_s: float | None = None, word_timestamps: bool = False, aligner=None):
+               max_segment_s: float | None = None, word_timestamps: bool = False, aligner=None,
+               diarize: bool = False, min_speakers: int | None = None, max_speakers: int | None = None,
+               known_speakers: dict | None = None):
     """Transcribe one audio input or a list of them.
 
     audio: a file path, a numpy array or a torch tensor (then ``sampling_rate`` is required), or a list of
@@ -224,12 +234,22 @@ def transcribe(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, max_new
     word_timestamps: each segment's ``words`` with their times, from the model's aligner (a ValueError when it
     has none). aligner: for a model this call loads itself, ``load``'s ``aligner=`` (a glm-asr-ctc head folder
     or hub id; part of what identifies the kept model); for a loaded handle, pass it to ``glmasr.load`` instead.
+    diarize: each segment's ``speaker`` (and each word's, with word_timestamps): "A", "B", ... in order of first
+    appearance, or a known speaker's name (``glmasr.diarize``; needs ``pip install 'glmasr[diarize]'``, else
+    ``DiarizationUnavailableError`` before any work); it runs beside the transcription, its cost in
+    ``timings_ms["diarize_ms"]`` (and ``["diarize_wait_ms"]``, the time the transcript waited for it).
+    min_speakers / max_speakers: bounds on the number of speakers (1-26), with diarize=True only.
+    known_speakers: {name: clip or [clips]} (at most 4 names, 1-4 clips each, 1-D float arrays of 2-10 s at
+    16 kHz): a speaker whose voice matches a name's clips is given that name; bad ones raise
+    ``InvalidSpeakerReference`` naming the speaker before any work.
     Thread-safe: calls from many threads share the model's engine. Returns a ``Transcription`` or a list of
     them, in input order.
     """
     decode = _decode_options(prompt=prompt, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
                              repetition_stop=repetition_stop, segmentation=segmentation,
-                             max_segment_s=max_segment_s, word_timestamps=word_timestamps)  # checked before loading
+                             max_segment_s=max_segment_s, word_timestamps=word_timestamps, diarize=diarize,
+                             min_speakers=min_speakers, max_speakers=max_speakers,
+                             known_speakers=known_speakers)  # checked before loading
     timeout = check_timeout(timeout)
     with _model_for(model, device, aligner) as asr:
         jobs, batched = _submit_all(asr, audio, decode, sampling_rate, max_batch, timeout)
@@ -245,15 +265,20 @@ def transcribe_stream(audio, model=DEFAULT_MODEL_ID, prompt: str | None = None, 
                       sampling_rate: int | None = None, device=None, max_batch: int | None = None,
                       repetition_stop: int | None = None, segmentation: str = "windows",
                       timeout: float | None = None, max_segment_s: float | None = None, word_timestamps: bool = False,
-                      aligner=None) -> Iterator[TranscriptDelta]:
+                      aligner=None, diarize: bool = False, min_speakers: int | None = None,
+                      max_speakers: int | None = None, known_speakers: dict | None = None
+                      ) -> Iterator[TranscriptDelta]:
     """Like ``transcribe``, but yields ``TranscriptDelta``s as text is produced (every few decode steps): for a
     list, deltas of different inputs interleave (``.index`` says which); each input's last delta has
     ``finished=True`` and the complete ``Transcription`` in ``.result``. Closing the iterator early aborts the
     requests still running. timeout: as for ``transcribe``, for all of the call's requests (the iterator
-    raises ``RequestTimeoutError``). segmentation, max_segment_s, word_timestamps, aligner: as for
-    ``transcribe`` (the last delta's result carries the words)."""
+    raises ``RequestTimeoutError``). segmentation, max_segment_s, word_timestamps, aligner, diarize,
+    min_speakers, max_speakers, known_speakers: as for ``transcribe`` (the last delta's result carries the words
+    and speakers; the deltas before it have none)."""
     decode = _decode_options(prompt=prompt, max_new_tokens=max_new_tokens, repetition_stop=repetition_stop,
-                             segmentation=segmentation, max_segment_s=max_segment_s, word_timestamps=word_timestamps)
+                             segmentation=segmentation, max_segment_s=max_segment_s, word_timestamps=word_timestamps,
+                             diarize=diarize, min_speakers=min_speakers, max_speakers=max_speakers,
+                             known_speakers=known_speakers)
     timeout = check_timeout(timeout)
     with _model_for(model, device, aligner) as asr:
         jobs, _ = _submit_all(asr, audio, decode, sampling_rate, max_batch, timeout)

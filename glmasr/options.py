@@ -18,7 +18,7 @@ are used:
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .engine.options import EngineOptions, check_positive_int
 from .engine.repetition import check_repetition_stop
@@ -43,7 +43,10 @@ class DecodeOptions:
     max_segment_s: with segmentation "vad", speech-shaped segments of at most that many seconds (1-30), cut at the
     longest pauses and never merged across a pause of 1 s or more, each its own prompt; None: speech packed into
     pieces of up to 30 s (the fewest prompts). word_timestamps: each segment's ``words`` with times from the model's
-    aligner (``load(..., aligner=PATH)``); without an aligner the request is refused, never given made-up times."""
+    aligner (``load(..., aligner=PATH)``); without an aligner the request is refused, never given made-up times.
+    diarize: label each segment (and word) with its speaker (``glmasr.diarize``: needs ``glmasr[diarize]``), run
+    beside the transcription; min_speakers / max_speakers: hints (1-26); known_speakers: {name: [16 kHz clips of
+    2-10 s]} (at most 4 names), checked by ``glmasr.diarize.check_known`` when the request is submitted."""
 
     prompt: str | None = None
     max_new_tokens: int | None = None
@@ -53,6 +56,10 @@ class DecodeOptions:
     forced_prefix_ids: tuple[int, ...] = ()
     max_segment_s: float | None = None
     word_timestamps: bool = False
+    diarize: bool = False
+    min_speakers: int | None = None
+    max_speakers: int | None = None
+    known_speakers: dict | None = field(default=None, compare=False)  # arrays: not compared
 
     def __post_init__(self):
         check_positive_int("max_new_tokens", self.max_new_tokens)
@@ -74,6 +81,17 @@ class DecodeOptions:
             object.__setattr__(self, "max_segment_s", float(self.max_segment_s))
         if not isinstance(self.word_timestamps, bool):
             raise TypeError(f"word_timestamps must be True or False, got {self.word_timestamps!r}")
+        if not isinstance(self.diarize, bool):
+            raise TypeError(f"diarize must be True or False, got {self.diarize!r}")
+        for name in ("min_speakers", "max_speakers"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 1 <= v <= 26):
+                raise ValueError(f"{name} must be an int from 1 to 26 or None, got {v!r}")
+        if self.min_speakers is not None and self.max_speakers is not None and self.min_speakers > self.max_speakers:
+            raise ValueError(f"min_speakers ({self.min_speakers}) must not exceed max_speakers ({self.max_speakers})")
+        if not self.diarize and (self.min_speakers is not None or self.max_speakers is not None
+                                 or self.known_speakers):
+            raise ValueError("min_speakers, max_speakers and known_speakers need diarize=True")
 
 
 def check_token_ids(name: str, ids) -> tuple[int, ...]:

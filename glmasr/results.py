@@ -14,6 +14,7 @@ class Word:
     start: float
     end: float
     probability: float = 0.0
+    speaker: str | None = None  # with DecodeOptions(diarize=True): who said it ("A", "B", ... or a known name)
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Segment:
     # (the stop token that ended the segment is not in token_ids and not counted); 0.0 for a segment with no token
     avg_logprob: float = 0.0
     words: list[Word] | None = None  # with DecodeOptions(word_timestamps=True): the words and their times
+    speaker: str | None = None  # with DecodeOptions(diarize=True): the speaker it overlaps most
 
 
 @dataclass

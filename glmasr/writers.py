@@ -14,6 +14,19 @@
 
 Times are rounded to the millisecond.
 
+Speakers (``DecodeOptions(diarize=True)``: ``Segment.speaker``, ``Word.speaker``). A result is diarized when any of
+its segments has a speaker; then:
+
+- vtt: each cue's text is a voice span, ``<v A>text`` (WebVTT's voice tag; the name one line, ``&``, ``<`` and
+  ``>`` escaped as in the text, ``-->`` as below); srt: each cue's first line starts with ``[A] `` (srt has no
+  voice tag; readers keep the prefix as text). A cue never spans two speakers: a segment whose words have
+  speakers is cut into runs of one speaker (a unit of words that no line break may split takes its first word's
+  speaker), each run cut into cues as below; a segment without words is one cue with the segment's speaker. The
+  prefix is not counted in ``max_line_width``. A cue without a speaker (None) has no tag.
+- tsv: a ``speaker`` column before the text (``start	end	speaker	text``; the word form
+  ``start	end	segment	probability	speaker	word``, a word's own speaker, else its segment's), empty for None.
+- json: every segment has ``speaker``, and so has every word (a string or null).
+
 Subtitle cues (srt, vtt; ``CueOptions``). A cue never spans two segments, and no time is invented:
 
 - A segment with word times gets cues cut at word times: each cue holds whole words, at most ``max_cue_s``
@@ -219,6 +232,7 @@ class _Cue:
     end: float
     lines: list[list[_Unit]]
     highlight: int | None = None  # the word underlined (highlight_words)
+    speaker: str | None = None  # Segment.speaker / Word.speaker: a vtt voice span, an srt prefix
 
 
 def _may_break(left: str, right: str) -> bool:
@@ -382,6 +396,19 @@ def _split_cues(units: list[_Unit], opts: CueOptions) -> list[list[_Unit]]:
     return cues[::-1]
 
 
+def _speaker_runs(units: list[_Unit], seg: Segment) -> list[tuple[str | None, list[_Unit]]]:
+    """Consecutive units of one speaker (each unit's first word's speaker, else the segment's)."""
+    runs: list[tuple[str | None, list[_Unit]]] = []
+    for u in units:
+        k = next((p.word for p in u.parts if p.word is not None), None)
+        who = seg.words[k].speaker if k is not None and seg.words[k].speaker is not None else seg.speaker
+        if runs and runs[-1][0] == who:
+            runs[-1][1].append(u)
+        else:
+            runs.append((who, [u]))
+    return runs
+
+
 def _segment_cues(seg: Segment, opts: CueOptions) -> list[_Cue]:
     text = _cue_text(seg.text)
     if not text:
@@ -389,24 +416,25 @@ def _segment_cues(seg: Segment, opts: CueOptions) -> list[_Cue]:
     units = _word_units(text, seg) if seg.words else None
     if units is None:
         units = _long_pieces_cut(_text_units(text))
-        return [_Cue(seg.start, seg.end, _wrap(units, opts.max_line_width))]
+        return [_Cue(seg.start, seg.end, _wrap(units, opts.max_line_width), speaker=seg.speaker)]
     out = []
-    for group in _split_cues(_long_pieces_cut(units), opts):
-        start, end = group[0].start, max(group[0].start, max(u.end for u in group))
-        lines = _wrap(group, opts.max_line_width)
-        if not opts.highlight_words:
-            out.append(_Cue(start, end, lines))
-            continue
-        words = sorted({p.word for u in group for p in u.parts if p.word is not None})
-        last = start
-        for k in words:
-            w = seg.words[k]
-            w_start = max(0.0, float(w.start))
-            w_end = max(w_start, float(w.end))
-            if w_start > last:
-                out.append(_Cue(last, w_start, lines))
-            out.append(_Cue(w_start, w_end, lines, k))
-            last = max(last, w_end)
+    for who, run in _speaker_runs(_long_pieces_cut(units), seg):
+        for group in _split_cues(run, opts):
+            start, end = group[0].start, max(group[0].start, max(u.end for u in group))
+            lines = _wrap(group, opts.max_line_width)
+            if not opts.highlight_words:
+                out.append(_Cue(start, end, lines, speaker=who))
+                continue
+            words = sorted({p.word for u in group for p in u.parts if p.word is not None})
+            last = start
+            for k in words:
+                w = seg.words[k]
+                w_start = max(0.0, float(w.start))
+                w_end = max(w_start, float(w.end))
+                if w_start > last:
+                    out.append(_Cue(last, w_start, lines, speaker=who))
+                out.append(_Cue(w_start, w_end, lines, k, speaker=who))
+                last = max(last, w_end)
     return out
 
 
@@ -477,6 +505,11 @@ def _render_cue(cue: _Cue, fmt: str) -> str:
             if hi > lo:
                 lines.append(_cut_spans(spans, lo, hi))
     pieces: list[tuple[str, bool]] = []  # (text, is markup)
+    name = _cue_text(cue.speaker) if cue.speaker is not None else ""
+    if name and lines:
+        # vtt: a voice span (its annotation escaped like text); srt: a prefix that is text (so a "<" in the name
+        # is treated as the text's are, below)
+        pieces.append((f"<v {_vtt_escape(name)}>", True) if fmt == "vtt" else (f"[{name}] ", False))
     for i, spans in enumerate(lines):
         if i:
             pieces.append(("\n", True))
@@ -514,36 +547,57 @@ def to_vtt(result: Transcription, cues: CueOptions | None = None) -> str:
     return "WEBVTT\n\n" + body
 
 
+def _diarized(result: Transcription) -> bool:
+    return any(s.speaker is not None for s in result.segments)
+
+
+def _tsv_speaker(who: str | None) -> str:
+    return "" if who is None else _one_line(who).replace("\t", " ")
+
+
 def to_tsv(result: Transcription) -> str:
+    diarized = _diarized(result)
+    head = "speaker\t" if diarized else ""
+
+    def who(speaker) -> str:
+        return f"{_tsv_speaker(speaker)}\t" if diarized else ""
+
     if not any(s.words is not None for s in result.segments):
-        rows = ["start\tend\ttext"]
+        rows = [f"start\tend\t{head}text"]
         for s in result.segments:
-            rows.append(f"{round(1000 * s.start)}\t{round(1000 * s.end)}\t{_tsv_text(s.text)}")
+            rows.append(f"{round(1000 * s.start)}\t{round(1000 * s.end)}\t{who(s.speaker)}{_tsv_text(s.text)}")
         return "\n".join(rows) + "\n"
-    rows = ["start\tend\tsegment\tprobability\tword"]
+    rows = [f"start\tend\tsegment\tprobability\t{head}word"]
     for s in result.segments:
         if s.words is None:
-            rows.append(f"{round(1000 * s.start)}\t{round(1000 * s.end)}\t{s.id}\t\t{_tsv_text(s.text)}")
+            rows.append(f"{round(1000 * s.start)}\t{round(1000 * s.end)}\t{s.id}\t\t{who(s.speaker)}"
+                        f"{_tsv_text(s.text)}")
             continue
         for w in s.words:
             rows.append(f"{round(1000 * w.start)}\t{round(1000 * w.end)}\t{s.id}\t{w.probability:.3f}\t"
-                        f"{_tsv_text(w.word)}")
+                        f"{who(w.speaker if w.speaker is not None else s.speaker)}{_tsv_text(w.word)}")
     return "\n".join(rows) + "\n"
 
 
-def _json_words(seg: Segment) -> dict:
+def _json_speaker(who: str | None, diarized: bool) -> dict:
+    return {"speaker": None if who is None else _encodable(who)} if diarized else {}
+
+
+def _json_words(seg: Segment, diarized: bool = False) -> dict:
     if seg.words is None:
         return {}
-    return {"words": [{"word": _encodable(w.word), "start": w.start, "end": w.end, "probability": w.probability}
+    return {"words": [{"word": _encodable(w.word), "start": w.start, "end": w.end, "probability": w.probability,
+                       **_json_speaker(w.speaker, diarized)}
                       for w in seg.words]}
 
 
 def to_json(result: Transcription) -> str:
+    diarized = _diarized(result)
     return json.dumps({
         "text": _encodable(result.text), "duration": result.duration_s, "finish_reason": result.finish_reason,
         "segments": [{"id": s.id, "start": s.start, "end": s.end, "text": _encodable(s.text), "tokens": s.token_ids,
                       "finish_reason": s.finish_reason, "compression_ratio": s.compression_ratio,
-                      "avg_logprob": s.avg_logprob, **_json_words(s)}
+                      "avg_logprob": s.avg_logprob, **_json_speaker(s.speaker, diarized), **_json_words(s, diarized)}
                      for s in result.segments],
     }, ensure_ascii=False, indent=2) + "\n"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -158,3 +159,17 @@ def bounded(fn, timeout: float):
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def wait_healthy(get, timeout: float = 60.0) -> None:
+    """Poll ``get("/health")`` until it answers 200: an app's warm-up (even ``warmup="none"``: the prompts, the live
+    VAD) runs in its lifespan, so a request before it ends is a 503."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if get("/health").status_code == 200:
+                return
+        except Exception:  # noqa: BLE001 - the server may not answer yet
+            pass
+        assert time.monotonic() < deadline, "the server did not become healthy in time"
+        time.sleep(0.05)

@@ -33,7 +33,7 @@ from glmasr.server import ServerConfig, create_app  # noqa: E402
 from glmasr.checkpoint.tokenizer import build_instruction  # noqa: E402
 
 from asgi_client import DisconnectingUpload  # noqa: E402
-from conftest import noise, pyav_encode  # noqa: E402
+from conftest import noise, pyav_encode, wait_healthy  # noqa: E402
 from live_server import KEY, MODEL, ServerProcess  # noqa: E402
 ENVELOPE = {"message", "type", "param", "code"}
 
@@ -58,16 +58,6 @@ def clips(tmp_path_factory, asr):
     return out
 
 
-def wait_healthy(get, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if get("/health").status_code == 200:
-                return
-        except Exception:
-            pass
-        time.sleep(0.05)
-    raise AssertionError("server did not become healthy in time")
 
 
 @pytest.fixture(scope="module", params=["local", "data_parallel"])

@@ -24,7 +24,7 @@ from starlette.testclient import TestClient  # noqa: E402
 from glmasr.server import ServerConfig, create_app  # noqa: E402
 from glmasr.server.app import served_names  # noqa: E402
 
-from conftest import noise  # noqa: E402
+from conftest import noise, wait_healthy  # noqa: E402
 from live_server import KEY, MODEL, ServerProcess, body_of, multipart, post_head, read_response, status_of  # noqa: E402
 
 ENVELOPE = {"message", "type", "param", "code"}
@@ -52,18 +52,13 @@ def clip(asr, tmp_path_factory):
     return data, asr.submit(str(path)).result().text
 
 
-def wait_healthy(tc, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while tc.get("/health").status_code != 200:
-        assert time.monotonic() < deadline, "server not healthy in time"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
 def tc(asr):
     app = create_app(asr, ServerConfig(api_key=KEY, close_engine=False, warmup="none", max_audio_s=5))
     with TestClient(app, base_url="http://testserver") as client:
-        wait_healthy(client)
+        wait_healthy(client.get)
         yield client
 
 
@@ -105,7 +100,7 @@ def test_health_tells_strangers_only_the_status(asr, tc, tmp_path):
     # a server without a key shows nobody the details
     app = create_app(asr, ServerConfig(close_engine=False, warmup="none"))
     with TestClient(app, base_url="http://testserver") as open_tc:
-        wait_healthy(open_tc)
+        wait_healthy(open_tc.get)
         assert open_tc.get("/health", headers=AUTH).json() == {"status": "ok"}
         # served model ids are names: an absolute checkpoint path (glmasr serve --model /abs/path) is left out
         names = served_names(app.state.engine, [str(asr.folder), str(tmp_path), "my-asr", "org/model"])
@@ -150,7 +145,7 @@ def test_request_timeout_is_a_504_the_engine_stops_it_and_frees_its_slots(asr, c
     long_clip = wav(30, 12)  # ~200 tokens of budget: ~10 s at 0.05 s per engine step
     app = create_app(asr, ServerConfig(api_key=KEY, close_engine=False, warmup="none", request_timeout_s=0.5))
     with TestClient(app, base_url="http://testserver") as tc:
-        wait_healthy(tc)
+        wait_healthy(tc.get)
         monkeypatch.setattr(Engine, "step", slow_step)
         t0 = time.monotonic()
         r = post(tc, {"model": MODEL}, {"file": ("long.wav", long_clip)})

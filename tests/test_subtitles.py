@@ -25,7 +25,7 @@ import glmasr
 from glmasr.results import Segment, Transcription, Word
 from glmasr.writers import SUBTITLE_MAX_SEGMENT_S, CueOptions, render, render_openai
 
-from conftest import noise
+from conftest import noise, wait_healthy
 from test_writers import (HOSTILE, expected_text, fuzz_texts, read_ffmpeg, read_pysubs2, read_srt, read_tsv,
                           read_webvtt)
 
@@ -515,6 +515,7 @@ def served(asr):
         with TestClient(create_app(words_client, ServerConfig(api_key=KEY, close_engine=False,
                                                               warmup="none"))) as with_words:
             for name, tc in (("plain", plain), ("words", with_words)):
+                wait_healthy(tc.get)
                 clients[name] = openai.OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=tc,
                                               max_retries=0)
             clients["engine"] = words_client
@@ -750,6 +751,7 @@ def test_server_word_times_end_to_end(aligned):
     want = [(w.word, round(w.start, 3), round(w.end, 3)) for s in ref.segments for w in s.words]
     assert want
     with TestClient(create_app(aligned, ServerConfig(api_key=KEY, close_engine=False, warmup="none"))) as tc:
+        wait_healthy(tc.get)
         client = openai.OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=tc, max_retries=0)
         v = client.audio.transcriptions.create(file=("a.flac", data), model=MODEL, response_format="verbose_json",
                                                timestamp_granularities=["word", "segment"])

@@ -47,6 +47,7 @@ from ..audio.features import (
     WINDOW_SAMPLES,
     log_mel_windows,
 )
+from ..checkpoint.weights import hub_snapshot, looks_like_hub_id
 from ..errors import CheckpointError
 from ..results import Word
 from .base import Aligner, AlignSegment
@@ -97,10 +98,6 @@ class TokenizerOffsets:
             return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 
 
-def _looks_like_hub_id(s: str) -> bool:
-    parts = s.split("/")
-    return len(parts) == 2 and all(parts) and not s.startswith((".", "/", "~"))
-
 
 def resolve_head_folder(spec: str | os.PathLike) -> Path:
     """A local head folder, or a hub id fetched with ``huggingface_hub.snapshot_download`` (the cached copy
@@ -112,18 +109,11 @@ def resolve_head_folder(spec: str | os.PathLike) -> Path:
     if path.exists():
         raise CheckpointError(f"aligner {text!r} is a file; pass the folder that holds config.json and "
                               f"ctc_head.safetensors")
-    if not _looks_like_hub_id(text):
+    if not looks_like_hub_id(text):
         raise CheckpointError(f"aligner {text!r} is neither an existing folder nor a Hugging Face hub id "
                               f"('owner/name', e.g. {DEFAULT_ALIGNER_ID})")
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "*.md"]
     try:
-        return Path(snapshot_download(text, allow_patterns=patterns, local_files_only=True))
-    except Exception:
-        pass
-    try:
-        return Path(snapshot_download(text, allow_patterns=patterns))
+        return hub_snapshot(text, ["*.json", "*.safetensors", "*.md"])
     except Exception as e:  # offline, no such repo, gated: the same advice
         first = str(e).splitlines()[0] if str(e) else ""
         raise CheckpointError(

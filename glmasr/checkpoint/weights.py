@@ -68,7 +68,8 @@ def canonical_name(key: str) -> str | None:
     return None
 
 
-def _looks_like_hub_id(s: str) -> bool:
+def looks_like_hub_id(s: str) -> bool:
+    """'owner/name' that is not a path on this machine."""
     parts = s.split("/")
     return len(parts) == 2 and all(parts) and not s.startswith((".", "/", "~")) and not os.path.exists(s)
 
@@ -97,18 +98,11 @@ def resolve_checkpoint(model: str | os.PathLike, log=None) -> Path:
     text = str(model)
     if path.exists():
         raise CheckpointError(f"model path {text!r} is a file; pass the checkpoint folder that holds config.json")
-    if not _looks_like_hub_id(text):
+    if not looks_like_hub_id(text):
         raise CheckpointError(f"model {text!r} is neither an existing folder nor a Hugging Face hub id "
                               f"('owner/name')")
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "tokenizer*"]
     try:
-        return Path(snapshot_download(text, allow_patterns=patterns, local_files_only=True))
-    except Exception:
-        pass
-    try:
-        return Path(snapshot_download(text, allow_patterns=patterns))
+        return hub_snapshot(text, ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "tokenizer*"])
     except Exception as e:  # network errors, offline mode, gated repos: all end the same way for the user
         raise CheckpointError(
             f"could not get {text!r} from the Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}).\n"
@@ -497,3 +491,15 @@ def read_config(folder: Path) -> GlmAsrConfig:
     if not path.exists():
         raise CheckpointError(f"no config.json in {folder}: not a GLM-ASR checkpoint folder")
     return GlmAsrConfig.from_json_file(path)
+
+
+def hub_snapshot(repo_id: str, patterns: list[str]) -> Path:
+    """The folder of a Hugging Face hub repo's files matching ``patterns``: the cached copy when there is one (no
+    network), else a download; raises what ``snapshot_download`` raised (the callers phrase the advice)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    return Path(snapshot_download(repo_id, allow_patterns=patterns))

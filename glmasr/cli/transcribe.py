@@ -29,6 +29,14 @@ carry their ``words``, tsv is written one row per word, and srt/vtt cues are cut
 times). Without word times a cue is a segment with its own times, its text wrapped at ``--max-line-width``
 (``glmasr.writers``: no time is invented). ``--aligner`` works with one engine, not with ``--devices``.
 
+Speakers: ``--diarize`` labels every segment (and word) with its speaker (``glmasr.diarize``, needs
+``pip install 'glmasr[diarize]'``: without it the run stops before any work, exit status 2): vtt cues carry
+``<v A>`` voice spans, srt cues a ``[A] `` prefix, tsv a ``speaker`` column, json ``speaker`` fields, and no cue
+spans two speakers. ``--min-speakers N`` / ``--max-speakers N`` bound the count; ``--speaker NAME=clip.wav``
+(repeatable, several clips per name allowed; 2-10 s of that voice alone) names a known speaker. Each of these three
+turns ``--diarize`` on. A clip that cannot be read or used is an error naming the flag and the file (exit status 2,
+before any work). With ``--devices`` the options travel to the workers (each runs its own diarizer on its device).
+
 How a run goes: ``LOADERS`` threads decode the files and find their speech (VAD) ahead of the engine, taking them
 in input order, with at most ``IN_FLIGHT`` files held at once (being read or in the engine), so VAD of the next
 files overlaps the decoding of the current ones. Each file goes to the engine as soon as it is ready (with its VAD
@@ -94,6 +102,41 @@ def line_width(text: str) -> int:
     from ..writers import SRT_LINE_CHARS
 
     return int_between(0, SRT_LINE_CHARS)(text)
+
+
+def speaker_arg(text: str) -> tuple[str, str]:
+    """argparse type of --speaker: ``NAME=PATH`` -> (name, path), both non-empty."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=CLIP (a speaker's name and an audio file), got {text!r}")
+    return name.strip(), path
+
+
+def known_speakers(pairs) -> dict | None:
+    """--speaker NAME=CLIP flags as ``DecodeOptions.known_speakers`` ({name: [16 kHz clips]}), each clip loaded
+    with glmasr's audio loader and checked (``diarize.check_known``). Raises ValueError naming the flag and the
+    file."""
+    if not pairs:
+        return None
+    from ..audio import load_audio
+    from ..diarize import InvalidSpeakerReference, check_known
+    from ..errors import AudioError
+
+    clips: dict[str, list] = {}
+    paths: dict[str, list[str]] = {}
+    for name, path in pairs:
+        try:
+            audio = load_audio(path)
+        except AudioError as e:
+            raise ValueError(f"--speaker {name}={path}: {e}") from None
+        clips.setdefault(name, []).append(audio.samples)
+        paths.setdefault(name, []).append(path)
+    try:
+        return check_known(clips)
+    except InvalidSpeakerReference as e:
+        where = (f"--speaker {e.speaker}={paths[e.speaker][e.index]}" if e.speaker in paths and e.index is not None
+                 else "--speaker")
+        raise ValueError(f"{where}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -219,6 +262,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="srt/vtt with word times: the longest cue in seconds (default 7)")
     p.add_argument("--highlight-words", action="store_true",
                    help="srt/vtt with word times: one cue per word, the word underlined")
+    p.add_argument("--diarize", action="store_true",
+                   help="label segments (and words) with speakers (needs glmasr[diarize]): vtt <v A>, srt [A], tsv and "
+                        "json speaker fields")
+    p.add_argument("--min-speakers", type=int_between(1, 26), default=None, metavar="N",
+                   help="with diarization: at least N speakers (1-26; turns --diarize on)")
+    p.add_argument("--max-speakers", type=int_between(1, 26), default=None, metavar="N",
+                   help="with diarization: at most N speakers (1-26; turns --diarize on)")
+    p.add_argument("--speaker", action="append", type=speaker_arg, default=None, metavar="NAME=CLIP",
+                   help="a known speaker: NAME for the voice of CLIP (an audio file, 2-10 s of that voice alone); "
+                        "repeat it for more clips or speakers (at most 4 names); turns --diarize on")
     p.add_argument("--prompt", default=None, help="instruction text (default: the model's transcription prompt)")
     p.add_argument("--hotwords", nargs="+", default=None, metavar="WORD",
                    help="words or phrases to favour, added to the instruction")
@@ -338,11 +391,20 @@ class _Run:
             self.cues = CueOptions(max_line_width=args.max_line_width or None, max_line_count=args.max_line_count,
                                    max_cue_s=args.max_cue_s, highlight_words=args.highlight_words)
             words = args.word_timestamps or args.aligner is not None
+            diarize = (args.diarize or args.min_speakers is not None or args.max_speakers is not None
+                       or bool(args.speaker))
+            if diarize:  # before the model: the weights and the clips
+                from ..diarize import weights as diarize_weights
+
+                for name in (diarize_weights.SEGMENTATION_FILE, diarize_weights.EMBEDDING_FILE):
+                    diarize_weights.data_file(name)
             self.decode = glmasr.DecodeOptions(prompt=build_instruction(args.prompt, args.hotwords or []),
                                                max_new_tokens=args.max_new_tokens,
                                                repetition_stop=args.repetition_stop, segmentation=segmentation,
                                                max_segment_s=max_segment_s(args, segmentation),
-                                               word_timestamps=words)
+                                               word_timestamps=words, diarize=diarize,
+                                               min_speakers=args.min_speakers, max_speakers=args.max_speakers,
+                                               known_speakers=known_speakers(args.speaker))
             options = {"max_batch": args.max_batch} if args.max_batch is not None else {}
             if args.aligner is not None:
                 options["aligner"] = args.aligner
@@ -358,7 +420,8 @@ class _Run:
                                        **options)
             else:
                 self.asr = glmasr.load(pick_model(args.model), device=args.device, dtype=args.dtype, **options)
-        except (glmasr.CheckpointError, glmasr.ConfigError, glmasr.TokenizerError, ValueError, TypeError) as e:
+        except (glmasr.CheckpointError, glmasr.ConfigError, glmasr.TokenizerError,
+                glmasr.errors.DiarizationUnavailableError, ValueError, TypeError) as e:
             self.progress.close()
             print(f"error: {e}", file=sys.stderr)
             return 2

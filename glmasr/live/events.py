@@ -80,6 +80,15 @@ class TranscriptDelta(SessionEvent):
 
 
 @dataclass(frozen=True)
+class TimedWord:
+    """A word of a live final and its times in seconds from the session's first sample."""
+
+    word: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
 class TranscriptCompleted(SessionEvent):
     """The exact transcript of ``item_id`` (the concatenation of its deltas). ``usage``:
     ``{"type": "duration", "seconds": <committed audio seconds>}``."""
@@ -87,6 +96,7 @@ class TranscriptCompleted(SessionEvent):
     item_id: str
     transcript: str
     usage: dict = field(default_factory=dict)
+    words: list[TimedWord] | None = None  # with LiveSettings.word_timestamps: the words, seconds of the session
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,8 @@ class LiveSettings:
     (GLM-ASR has no language token: it is not given to the model); keywords: hotwords, folded into the
     instruction; turn_detection: ``TurnSettings`` (server VAD) or None (only ``commit()`` ends a turn); partials:
     send agreed partial text while a turn is open (drafts every ``partial_hop_s``, 0.1-30 s); context: give the
-    previous turn's transcript to the next turn's instruction."""
+    previous turn's transcript to the next turn's instruction; word_timestamps: each final also gets its words
+    with times in seconds of the session (the engine's aligner; the owner checks that one exists)."""
 
     prompt: str | None = None
     language: str | None = None
@@ -137,6 +138,7 @@ class LiveSettings:
     partials: bool = False
     partial_hop_s: float = 1.0
     context: bool = True
+    word_timestamps: bool = False
 
     def __post_init__(self):
         for name in ("prompt", "language"):
@@ -151,7 +153,7 @@ class LiveSettings:
         if self.turn_detection is not None and not isinstance(self.turn_detection, TurnSettings):
             raise TypeError(f"turn_detection must be a TurnSettings or None, got "
                             f"{type(self.turn_detection).__name__}")
-        for name in ("partials", "context"):
+        for name in ("partials", "context", "word_timestamps"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         object.__setattr__(self, "partial_hop_s", _check_seconds("partial_hop_s", self.partial_hop_s, 0.1, 30.0))
@@ -644,6 +646,7 @@ class LiveSession:
 
     async def _final(self, item: _Item, samples: np.ndarray) -> str:
         seconds = samples.shape[0] / SAMPLE_RATE
+        words: list = []
         prompt = self._instruction()
         if samples.shape[0] < MIN_COMMIT_MS * SAMPLE_RATE // 1000:
             transcript = ""  # a turn too short for the model (a detector edge case): nothing can come of it
@@ -655,9 +658,11 @@ class LiveSession:
             reqs = []
             try:
                 for x, prefix in parts:
-                    reqs.append(await self._submit(x, DecodeOptions(prompt=prompt, forced_prefix_ids=tuple(prefix)),
-                                                   Priority.LIVE_FINAL, True, item.item_id))
+                    decode = DecodeOptions(prompt=prompt, forced_prefix_ids=tuple(prefix),
+                                           word_timestamps=self.settings.word_timestamps)
+                    reqs.append(await self._submit(x, decode, Priority.LIVE_FINAL, True, item.item_id))
                 texts: list[str] = []
+                offset = item.start / SAMPLE_RATE  # the part's first sample, in seconds of the session
                 for req in reqs:
                     base = " ".join(t for t in texts if t)
                     streamed, result = "", None
@@ -670,6 +675,10 @@ class LiveSession:
                     if result is None:
                         raise RuntimeError(f"the transcription of {item.item_id} was aborted")
                     texts.append(result.text)
+                    if self.settings.word_timestamps:
+                        words += [ev.TimedWord(w.word, offset + w.start, offset + w.end)
+                                  for seg in result.segments for w in (seg.words or [])]
+                    offset += result.duration_s
             finally:
                 for req in reqs:
                     self._release(req)
@@ -685,7 +694,8 @@ class LiveSession:
         self._first_delta(item)
         if item.t_end is not None:
             self._metric("on_completed", time.monotonic() - item.t_end)
-        self._emit(ev.TranscriptCompleted(item.item_id, transcript, {"type": "duration", "seconds": seconds}))
+        self._emit(ev.TranscriptCompleted(item.item_id, transcript, {"type": "duration", "seconds": seconds},
+                                          words if self.settings.word_timestamps else None))
         return transcript
 
     def _send(self, item: _Item, text: str) -> None:

@@ -16,19 +16,37 @@ Request fields (multipart/form-data, as the ``openai`` client sends them: list f
   steer the model: GLM-ASR-Nano-2512 has no language token and recognises the language itself; to steer it, say so
   in ``prompt``. Without it ``verbose_json`` reports ``"unknown"`` (the engine does no language identification).
 - ``temperature``: absent or 0 = greedy decoding, the only decoding the engine implements; any other value is a 400.
-- ``response_format``: ``json`` (default), ``text``, ``srt``, ``vtt``, ``verbose_json``.
+- ``response_format``: ``json`` (default), ``text``, ``srt``, ``vtt``, ``verbose_json``, ``diarized_json``.
+- ``diarized_json`` (speaker diarization, ``glmasr.diarize``; needs the ``diarize`` extra, else a 400
+  ``diarization_unavailable``): ``{task, duration, text, segments, usage}`` as the openai client types it
+  (``TranscriptionDiarized``); each segment ``{type: "transcript.text.segment", id, start, end, text, speaker}``.
+  Segments are speech-shaped (as ``verbose_json``'s) and split where the speaker changes inside one: with word
+  times (a server with an aligner asks for them) a segment is a run of consecutive words of one speaker, else one
+  per transcript segment with the speaker it overlaps most. Speakers are "A", "B", ... by first appearance, or
+  the names of known speakers. With ``stream=true`` the events are the deltas, then one
+  ``transcript.text.segment`` event per segment (once the diarization is done), then ``transcript.text.done``.
+- ``known_speaker_names[]`` / ``known_speaker_references[]`` (``diarized_json`` only): up to
+  ``MAX_KNOWN_SPEAKERS`` (4) names, each with the reference at the same index: a data URL
+  (``data:audio/wav;base64,...``; any format ``file`` takes, detected from the bytes) of at most
+  ``MAX_REFERENCE_BYTES`` (4 MiB as sent) holding 2-10 s of the speaker's speech. Clusters that sound like a
+  reference take its name; a name given twice pools its references. Lists of unequal length, a fifth name, an
+  empty or over-long name, a reference that is not a data URL, not audio, outside 2-10 s or without speech: a 400
+  naming the field and index (``param`` "known_speaker_references[1]", code ``invalid_speaker_reference``).
+- ``min_speakers`` / ``max_speakers`` (extensions, ``diarized_json`` only): integers 1-26 bounding the number of
+  speakers found; anything else (or min > max) is a 400.
 - ``timestamp_granularities[]``: ``segment`` is accepted with every format (as OpenAI does; only
   ``verbose_json`` carries segments); ``word`` needs ``verbose_json`` (a 400 otherwise, as OpenAI answers) and a
   server started with an aligner (``glmasr serve --aligner PATH``; else a 400 naming both): the answer then has
   ``words`` (word, start, end: every segment's words in order, times from the aligner), and ``segments`` only when
   ``segment`` is asked for too, as OpenAI answers.
 - ``stream``: "true" sends server-sent events (``transcript.text.delta`` ..., ``transcript.text.done``,
-  ``[DONE]``); with ``response_format`` json or text only.
+  ``[DONE]``); with ``response_format`` json, text or diarized_json (which adds ``transcript.text.segment``
+  events before the done event).
 - ``chunking_strategy``: ``auto`` or ``{"type": "server_vad", ...}`` = voice activity detection
   (``glmasr.audio.vad``, Silero VAD, run on the CPU in the request's worker thread): speech regions merged into
   pieces, one prompt and one segment (with its true times) each; a recording with no speech gives an empty text.
   The pieces are speech-shaped, at most ``SUBTITLE_MAX_SEGMENT_S`` (6 s) and cut at pauses
-  (``vad.segment_options``), for ``srt``, ``vtt`` and ``verbose_json``; packed into pieces of up to 30 s for
+  (``vad.segment_options``), for ``srt``, ``vtt``, ``verbose_json`` and ``diarized_json``; packed into pieces of up to 30 s for
   ``json`` and ``text``. ``server_vad``'s ``threshold`` (0-1, default 0.5), ``silence_duration_ms`` (the silence
   that ends a region, default 500) and ``prefix_padding_ms`` (the padding before each region, default 200, or 100
   for speech-shaped pieces; after it too with 30 s pieces) are passed on; ``auto``
@@ -36,7 +54,7 @@ Request fields (multipart/form-data, as the ``openai`` client sends them: list f
   ``verbose_json`` get the same speech-shaped segments (as ``auto``; if the VAD's weights are missing, 30 s windows
   instead), ``json`` and ``text`` the reference segmentation (non-overlapping 30 s windows packed into prompts of
   up to 21 windows: token-exact with transformers).
-- ``include[]`` (logprobs), ``languages[]``, ``known_speaker_*``: not implemented, a 400; any other field: a 400.
+- ``include[]`` (logprobs), ``languages[]``: not implemented, a 400; any other field: a 400.
 
 Segments: ``verbose_json``'s segments are the result's own ``Transcription.segments``: one per prompt, spanning
 exactly the audio of that prompt (a speech piece; with 30 s windows a window group, whose times are the bounds
@@ -58,9 +76,10 @@ from dataclasses import dataclass, field
 from ..checkpoint.tokenizer import build_instruction
 from ..writers import SUBTITLE_MAX_SEGMENT_S
 
-RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json", "diarized_json")
 # formats whose segments are seen (cues, segment times): speech-shaped segments by default
-SPEECH_SHAPED_FORMATS = ("srt", "vtt", "verbose_json")
+SPEECH_SHAPED_FORMATS = ("srt", "vtt", "verbose_json", "diarized_json")
+STREAM_FORMATS = ("json", "text", "diarized_json")
 DEFAULT_MODEL_NAME = "glm-asr-nano-2512"
 MAX_PROMPT_CHARS = 4000
 MAX_KEYWORDS = 100
@@ -77,14 +96,18 @@ sv sw ta te tg th ti tk tl tn to tr ts tt tw ty ug uk ur uz ve vi vo wa wo xh yi
 
 _KNOWN_FIELDS = {"file", "model", "prompt", "keywords[]", "keywords", "language", "temperature", "response_format",
                  "timestamp_granularities[]", "timestamp_granularities", "stream", "chunking_strategy",
-                 "chunking_strategy[type]"}
+                 "chunking_strategy[type]", "known_speaker_names[]", "known_speaker_names",
+                 "known_speaker_references[]", "known_speaker_references", "min_speakers", "max_speakers"}
 _UNSUPPORTED_FIELDS = {
     "include[]": "include[] (logprobs) is not implemented: per-token log probabilities are not returned (each "
                  "verbose_json segment has its avg_logprob)",
     "languages[]": "languages[] is not supported; pass one ISO-639-1 code as language",
-    "known_speaker_names[]": "speaker diarization (known_speaker_names[]) is not implemented",
-    "known_speaker_references[]": "speaker diarization (known_speaker_references[]) is not implemented",
 }
+MAX_KNOWN_SPEAKERS = 4  # OpenAI's "up to 4 speakers" (glmasr.diarize.MAX_KNOWN_SPEAKERS)
+MAX_SPEAKER_NAME_CHARS = 100
+# one known_speaker_references[] entry as sent (the data URL): 10 s of 48 kHz stereo 24-bit wav is ~3.8 MiB in base64
+MAX_REFERENCE_BYTES = 4 * 1024 * 1024
+_SPEAKER_FIELDS = ("known_speaker_names[]", "known_speaker_references[]", "min_speakers", "max_speakers")
 
 
 class APIError(Exception):
@@ -129,6 +152,16 @@ class TranscriptionRequest:
     stream: bool = False
     granularities: list[str] = field(default_factory=list)
     vad: dict | None = None  # chunking_strategy: keyword arguments of glmasr.audio.vad.speech_regions; None = not sent
+    min_speakers: int | None = None
+    max_speakers: int | None = None
+    # known_speaker_names[i] goes with known_speaker_references[i] (a data URL, decoded by serving.known_speakers)
+    speaker_names: list[str] = field(default_factory=list)
+    speaker_references: list[str] = field(default_factory=list)
+
+    @property
+    def diarize(self) -> bool:
+        """Speakers asked for (``response_format=diarized_json``)."""
+        return self.response_format == "diarized_json"
 
     @property
     def instruction(self) -> str | None:
@@ -240,13 +273,95 @@ def parse_form(form, file, size: int, filename: str) -> TranscriptionRequest:
         raise bad_request("timestamp_granularities[]=word needs response_format=verbose_json",
                           "timestamp_granularities")
     stream = _bool_field(form, "stream")
-    if stream and response_format not in ("json", "text"):
+    if stream and response_format not in STREAM_FORMATS:
         raise bad_request(f"stream=true sends transcript.text events; response_format={response_format} cannot be "
-                          "streamed (use json or text, or stream=false)", "stream", "unsupported_value")
+                          "streamed (use json, text or diarized_json, or stream=false)", "stream",
+                          "unsupported_value")
     vad = _chunking(form)
+    if response_format != "diarized_json":
+        for name in _SPEAKER_FIELDS:
+            if form.getlist(name) or form.getlist(name.removesuffix("[]")):
+                raise bad_request(f"{name} is for speaker diarization: it needs response_format=diarized_json",
+                                  name.removesuffix("[]"), "unsupported_parameter")
+    min_speakers, max_speakers = _speaker_count(form, "min_speakers"), _speaker_count(form, "max_speakers")
+    if min_speakers is not None and max_speakers is not None and min_speakers > max_speakers:
+        raise bad_request(f"min_speakers ({min_speakers}) must not exceed max_speakers ({max_speakers})",
+                          "min_speakers")
+    names, references = _known_speakers(form)
     return TranscriptionRequest(file=file, size=size, filename=filename, model=model.strip(), prompt=prompt,
                                 keywords=keywords, language=language, response_format=response_format,
-                                stream=stream, granularities=granularities, vad=vad)
+                                stream=stream, granularities=granularities, vad=vad, min_speakers=min_speakers,
+                                max_speakers=max_speakers, speaker_names=names, speaker_references=references)
+
+
+def _speaker_count(form, name: str) -> int | None:
+    raw = _text_field(form, name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise bad_request(f"{name} must be an integer from 1 to 26, got {raw[:40]!r}", name, "invalid_type") from None
+    if not 1 <= value <= 26:
+        raise bad_request(f"{name} must be an integer from 1 to 26, got {value}", name)
+    return value
+
+
+def speaker_reference_error(message: str, index: int | None) -> APIError:
+    """A 400 about ``known_speaker_references[index]`` (the whole list when ``index`` is None)."""
+    param = "known_speaker_references" if index is None else f"known_speaker_references[{index}]"
+    return bad_request(message, param, "invalid_speaker_reference")
+
+
+def _known_speakers(form) -> tuple[list[str], list[str]]:
+    """known_speaker_names[] and known_speaker_references[]: equal lengths, at most 4, names non-empty and short,
+    references data URLs (their contents are decoded later, off the event loop)."""
+    names = _list_field(form, "known_speaker_names[]")
+    references = _list_field(form, "known_speaker_references[]")
+    if len(names) != len(references):
+        raise bad_request(f"known_speaker_names[] has {len(names)} entries and known_speaker_references[] "
+                          f"{len(references)}; give one reference per name, in the same order",
+                          "known_speaker_references", "invalid_speaker_reference")
+    if len(names) > MAX_KNOWN_SPEAKERS:
+        raise bad_request(f"{len(names)} known speakers; at most {MAX_KNOWN_SPEAKERS} are supported",
+                          "known_speaker_names", "invalid_speaker_reference")
+    out = []
+    for i, name in enumerate(names):
+        stripped = name.strip()
+        if not stripped or "\x00" in stripped or len(stripped) > MAX_SPEAKER_NAME_CHARS:
+            raise bad_request(f"known_speaker_names[{i}] must be a non-empty name of at most "
+                              f"{MAX_SPEAKER_NAME_CHARS} characters, got {name[:40]!r}", f"known_speaker_names[{i}]",
+                              "invalid_speaker_reference")
+        out.append(stripped)
+    for i, ref in enumerate(references):
+        if len(ref) > MAX_REFERENCE_BYTES:
+            raise speaker_reference_error(f"known_speaker_references[{i}] is {len(ref) / 2**20:.1f} MiB; at most "
+                                          f"{MAX_REFERENCE_BYTES // 2**20} MiB per reference", i)
+        if not ref[:5].lower() == "data:" or "," not in ref[:256]:
+            raise speaker_reference_error(f"known_speaker_references[{i}] must be a data URL such as "
+                                          f"'data:audio/wav;base64,...', got {ref[:30]!r}", i)
+    return out, references
+
+
+def data_url_bytes(url: str, index: int) -> bytes:
+    """The bytes of a ``data:[<type>][;base64],<data>`` URL (percent-encoded when not base64); the media type is
+    ignored (the audio's format comes from the bytes)."""
+    import base64
+    import binascii
+    from urllib.parse import unquote_to_bytes
+
+    head, _, data = url.partition(",")
+    if head[-7:].lower() == ";base64":
+        try:
+            raw = base64.b64decode("".join(data.split()), validate=True)
+        except (binascii.Error, ValueError):
+            raise speaker_reference_error(f"known_speaker_references[{index}]: the data URL's base64 data is not "
+                                          "valid base64", index) from None
+    else:
+        raw = unquote_to_bytes(data)
+    if not raw:
+        raise speaker_reference_error(f"known_speaker_references[{index}]: the data URL holds no data", index)
+    return raw
 
 
 _VAD_PARAMS = {"threshold": ("threshold", 0.0, 1.0), "silence_duration_ms": ("min_silence_ms", 1.0, 60000.0),
@@ -319,3 +434,54 @@ def done_event(text: str, input_tokens: int, output_tokens: int) -> bytes:
 
 def error_event(message: str, type: str = "server_error", code: str | None = None) -> bytes:
     return sse({"type": "error", **error_body(message, type, None, code)})
+
+
+def diarized_segments(result) -> list[dict]:
+    """``diarized_json``'s segments of a ``Transcription`` whose segments (and words) carry speakers: a segment
+    with words becomes one entry per run of consecutive words of one speaker (its text cut from the segment's text
+    at the first word of each run, so spacing and punctuation stay; times from the words, within the segment),
+    else one entry with the segment's speaker. Segments without text are left out. A speaker the diarization could
+    not give (no speech turns found at all) is "A", the one speaker it would have named."""
+    out: list[dict] = []
+    for seg in result.segments:
+        for start, end, text, speaker in _speaker_runs(seg):
+            text = text.strip()
+            if text:
+                out.append({"type": "transcript.text.segment", "id": f"seg_{len(out)}", "start": round(start, 3),
+                            "end": round(max(start, end), 3), "text": text, "speaker": speaker or "A"})
+    return out
+
+
+def _speaker_runs(seg) -> list[tuple[float, float, str, str | None]]:
+    words = [w for w in (seg.words or ()) if w.word.strip()]
+    whole = [(seg.start, seg.end, seg.text, seg.speaker)]
+    if not words or len({w.speaker for w in words}) == 1 and words[0].speaker == seg.speaker:
+        return whole
+    cuts, pos = [], 0  # (text offset where a run starts, index of its first word)
+    for k, w in enumerate(words):
+        at = seg.text.find(w.word.strip(), pos)
+        if at < 0:  # the words do not spell the text: the segment as a whole
+            return whole
+        if k == 0 or w.speaker != words[k - 1].speaker:
+            cuts.append((0 if k == 0 else at, k))
+        pos = at + len(w.word.strip())
+    runs = []
+    for j, (at, k) in enumerate(cuts):
+        stop, last = (cuts[j + 1] if j + 1 < len(cuts) else (len(seg.text), len(words)))
+        lo = max(seg.start, min(seg.end, words[k].start)) if j else seg.start
+        hi = max(seg.start, min(seg.end, words[last - 1].end)) if j + 1 < len(cuts) else seg.end
+        runs.append((lo, hi, seg.text[at:stop], words[k].speaker))
+    return runs
+
+
+def diarized_body(result, seconds: float) -> dict:
+    """The ``diarized_json`` body (``TranscriptionDiarized``)."""
+    from ..writers import duration_usage
+
+    return {"task": "transcribe", "duration": round(seconds, 3), "text": result.text,
+            "segments": diarized_segments(result), "usage": duration_usage(seconds)}
+
+
+def segment_event(segment: dict) -> bytes:
+    """A ``transcript.text.segment`` stream event (``TranscriptionTextSegmentEvent``): a diarized segment."""
+    return sse(segment)

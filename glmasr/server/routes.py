@@ -215,7 +215,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
         try:
-            result = await ctx.service.transcribe(started, _disconnected(request))
+            result = await ctx.service.transcribe(started, _disconnected(request), req)
         except ClientGone:
             ctx.metrics.requests.labels("aborted").inc()
             log.info("client %s disconnected while its transcription ran; it was stopped", _client(request))
@@ -274,6 +274,8 @@ def _unknown_model(name: str, names) -> APIError:
 
 
 def _render(req: protocol.TranscriptionRequest, started, result) -> Response:
+    if req.response_format == "diarized_json":
+        return JSONResponse(protocol.diarized_body(result, started.audio.duration_s))
     body, media_type = writers.render_openai(result, req.response_format, started.audio.duration_s, req.language,
                                              req.granularities)
     return Response(body, media_type=media_type)

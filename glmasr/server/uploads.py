@@ -7,11 +7,13 @@ arrives, the file part spooled to disk past 1 MiB.
 - Time: at most ``read_timeout_s`` without a byte of the body, at most ``upload_timeout_s`` for the whole of it:
   past either the answer is a 408 in the envelope and the connection is closed. When the server starts to drain
   (SIGTERM), bodies still arriving are refused at once with a 503: only admitted work is drained.
-- Size: the body may exceed the file limit by ``FORM_OVERHEAD`` (the other fields and the multipart framing); a
-  larger body is a 413 (read and dropped up to ``DRAIN_LIMIT`` more, so the client sees the answer, then the
-  connection is closed). A text field is at most ``MAX_FIELD_BYTES`` and all of them ``MAX_FIELDS_BYTES``.
+- Size: the body may exceed the file limit by ``FORM_OVERHEAD`` (the other fields and the multipart framing) and
+  ``MAX_REFERENCES_BYTES`` (known speakers' reference clips); a larger body is a 413 (read and dropped up to
+  ``DRAIN_LIMIT`` more, so the client sees the answer, then the connection is closed). A text field is at most
+  ``MAX_FIELD_BYTES`` and all of them ``MAX_FIELDS_BYTES``, except ``known_speaker_references[]`` (data URLs of
+  audio): each at most ``protocol.MAX_REFERENCE_BYTES`` (4 MiB), all of them ``MAX_REFERENCES_BYTES``.
 - Memory: each upload in progress holds at most ~1 MiB of file (Starlette's spooled file threshold), 256 KiB of
-  text fields and one received chunk;
+  text fields, 16 MiB of reference clips (only requests that send them) and one received chunk;
   the decoder reads the spooled file (``audio.decode_audio_file``), so no copy of the whole upload sits in memory.
 """
 
@@ -24,7 +26,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, Request
 
 from .http import HttpLimits
-from .protocol import APIError, bad_request
+from .protocol import MAX_KNOWN_SPEAKERS, MAX_REFERENCE_BYTES, APIError, bad_request
 
 MIB = 1024 * 1024
 FORM_OVERHEAD = MIB  # bytes allowed in the body beyond the file: the other fields and the multipart framing
@@ -34,6 +36,8 @@ MAX_FIELDS_BYTES = 256 * 1024  # all text fields of one request together (they a
 MAX_PART_HEADER_BYTES = 8 * 1024  # the headers of one multipart part
 MAX_FIELDS = 256
 MAX_FILES = 4
+REFERENCE_FIELDS = ("known_speaker_references[]", "known_speaker_references")
+MAX_REFERENCES_BYTES = MAX_KNOWN_SPEAKERS * MAX_REFERENCE_BYTES  # all references of one request
 
 
 class ShuttingDown(APIError):
@@ -73,7 +77,7 @@ async def _body_chunks(request: Request, limit: int, limits: HttpLimits, drainin
     """The body's chunks as they arrive, under the time and size limits (see the module docstring)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limits.upload_timeout_s
-    cap = limit + FORM_OVERHEAD
+    cap = limit + FORM_OVERHEAD + MAX_REFERENCES_BYTES
     seen = 0
     while True:
         left = deadline - loop.time()
@@ -118,9 +122,11 @@ async def _drop_rest(request: Request, seen: int, until: int, limits: HttpLimits
 class _FormParser(MultiPartParser):
     """Starlette's streaming multipart parser with the memory of text fields and part headers bounded (file parts
     are spooled): one field at most ``MAX_FIELD_BYTES``, all together ``MAX_FIELDS_BYTES``, one part's headers
-    ``MAX_PART_HEADER_BYTES``; past them a 400 naming the field."""
+    ``MAX_PART_HEADER_BYTES``; past them a 400 naming the field. Reference clips (``REFERENCE_FIELDS``) have
+    their own limits: ``MAX_REFERENCE_BYTES`` each, ``MAX_REFERENCES_BYTES`` together."""
 
     _fields_bytes = 0
+    _reference_bytes = 0
     _header_bytes = 0
 
     def on_part_begin(self) -> None:
@@ -131,8 +137,18 @@ class _FormParser(MultiPartParser):
         part = self._current_part
         if part.file is None:
             size = end - start
-            self._fields_bytes += size
             name = part.field_name
+            if name in REFERENCE_FIELDS:
+                self._reference_bytes += size
+                if len(part.data) + size > MAX_REFERENCE_BYTES:
+                    raise bad_request(f"a {name} entry is longer than {MAX_REFERENCE_BYTES // MIB} MiB (the limit "
+                                      "per reference clip)", "known_speaker_references", "field_too_large")
+                if self._reference_bytes > MAX_REFERENCES_BYTES:
+                    raise bad_request(f"the {name} entries together exceed {MAX_REFERENCES_BYTES // MIB} MiB",
+                                      "known_speaker_references", "field_too_large")
+                super().on_part_data(data, start, end)
+                return
+            self._fields_bytes += size
             if len(part.data) + size > MAX_FIELD_BYTES:
                 raise bad_request(f"the field {name!r} is longer than {MAX_FIELD_BYTES // 1024} KiB", name,
                                   "field_too_large")
@@ -165,10 +181,11 @@ async def read_form(request: Request, limit: int, limits: HttpLimits, draining: 
         raise bad_request(f"the request body must be multipart/form-data (as the OpenAI clients send it), got "
                           f"{content_type or 'no content type'!r}", None, "invalid_content_type")
     length = request.headers.get("content-length")
-    if length is not None and length.strip().isdigit() and int(length) > limit + FORM_OVERHEAD + DRAIN_LIMIT:
+    if length is not None and length.strip().isdigit() and \
+            int(length) > limit + FORM_OVERHEAD + MAX_REFERENCES_BYTES + DRAIN_LIMIT:
         raise too_large(limit)  # too large to read and drop: answered at once, the connection closed
     parser = _FormParser(Headers(raw=request.scope["headers"]), _body_chunks(request, limit, limits, draining),
-                         max_files=MAX_FILES, max_fields=MAX_FIELDS, max_part_size=MAX_FIELD_BYTES)
+                         max_files=MAX_FILES, max_fields=MAX_FIELDS, max_part_size=MAX_REFERENCE_BYTES)
     try:
         return await parser.parse()
     except MultiPartException as e:

@@ -44,6 +44,9 @@ Our extensions (every OpenAI client may leave them out):
 - ``transcription.context`` (default true): the previous turn's transcript goes into the next turn's instruction
   (``glmasr.live.session.live_instruction``); false makes every turn's ``completed`` transcript exactly what
   ``transcribe()`` gives for that turn's samples with the session's prompt and keywords (the first turn's always is).
+- ``transcription.word_timestamps: true`` (off by default; needs ``glmasr serve --aligner PATH``, else
+  ``unsupported_value``): each ``completed`` event also carries ``words: [{word, start, end}]``, times in seconds
+  from the session's first sample (the aligner's CTC times; ``glmasr.align``).
 
 ``transcription.model`` must be one of the served names (``GET /v1/models``; else ``model_not_found``). ``prompt``
 replaces the model's instruction (as on the HTTP endpoint); ``language`` is an ISO-639-1 code (a region suffix such as
@@ -228,6 +231,7 @@ class SessionConfig:
     interim_results: bool = False
     partial_hop_ms: int = DEFAULT_HOP_MS
     context: bool = True
+    word_timestamps: bool = False
     shape: str = "ga"
 
     def updated(self, update: SessionUpdate, names: dict[str, str]) -> "SessionConfig":
@@ -268,13 +272,14 @@ class SessionConfig:
             silence_duration_ms=td.silence_duration_ms, idle_timeout_ms=td.idle_timeout_ms)
         return LiveSettings(prompt=self.prompt, language=self.language, keywords=self.keywords, turn_detection=turns,
                             partials=self.interim_results, partial_hop_s=self.partial_hop_ms / 1000.0,
-                            context=self.context)
+                            context=self.context, word_timestamps=self.word_timestamps)
 
     # ---- echo ----
     def _transcription(self) -> dict:
         return {"model": self.model, "language": self.language, "prompt": self.prompt,
                 "keywords": list(self.keywords), "interim_results": self.interim_results,
-                "partial_hop_ms": self.partial_hop_ms, "context": self.context}
+                "partial_hop_ms": self.partial_hop_ms, "context": self.context,
+                "word_timestamps": self.word_timestamps}
 
     def _turns(self) -> dict | None:
         td = self.turn_detection
@@ -438,7 +443,7 @@ def _noise_reduction(value, param: str) -> None:
 def _transcription(cfg: SessionConfig, t: dict | None, p: str, names) -> SessionConfig:
     if t is None:  # a transcription session always transcribes: null changes nothing
         return cfg
-    _keys(t, ("model", "language", "prompt", "keywords", "interim_results", "partial_hop_ms", "context", "delay",
+    _keys(t, ("model", "language", "prompt", "keywords", "interim_results", "partial_hop_ms", "context", "word_timestamps", "delay",
               "languages"), p)
     out = {}
     if "model" in t:
@@ -492,6 +497,11 @@ def _transcription(cfg: SessionConfig, t: dict | None, p: str, names) -> Session
         if not isinstance(t["context"], bool):
             raise ProtocolError(f"{p}.context must be true or false", "invalid_type", f"{p}.context")
         out["context"] = t["context"]
+    if t.get("word_timestamps") is not None:
+        if not isinstance(t["word_timestamps"], bool):
+            raise ProtocolError(f"{p}.word_timestamps must be true or false", "invalid_type",
+                                f"{p}.word_timestamps")
+        out["word_timestamps"] = t["word_timestamps"]
     if t.get("partial_hop_ms") is not None:
         out["partial_hop_ms"] = _int(t["partial_hop_ms"], f"{p}.partial_hop_ms", MIN_HOP_MS, MAX_HOP_MS)
     return replace(cfg, **out)
@@ -637,10 +647,15 @@ def delta(item_id: str, text: str) -> dict:
             "item_id": item_id, "content_index": 0, "delta": text}
 
 
-def completed(item_id: str, transcript: str, seconds: float) -> dict:
-    return {"type": COMPLETED, "event_id": new_event_id(),
-            "item_id": item_id, "content_index": 0, "transcript": transcript,
-            "usage": {"type": "duration", "seconds": float(seconds)}}
+def completed(item_id: str, transcript: str, seconds: float, words=None) -> dict:
+    """``words`` (our extension, with ``word_timestamps``): (word, start, end) of each word, seconds of the session."""
+    out = {"type": COMPLETED, "event_id": new_event_id(),
+           "item_id": item_id, "content_index": 0, "transcript": transcript,
+           "usage": {"type": "duration", "seconds": float(seconds)}}
+    if words is not None:
+        out["words"] = [{"word": w.word, "start": round(float(w.start), 3), "end": round(float(w.end), 3)}
+                        for w in words]
+    return out
 
 
 def failed(item_id: str, code: str | None, message: str, type: str = "server_error") -> dict:
@@ -666,7 +681,7 @@ def render(ev) -> dict:
     if name == "TranscriptCompleted":
         usage = ev.usage
         seconds = usage.get("seconds", 0.0) if isinstance(usage, dict) else float(usage)
-        return completed(ev.item_id, ev.transcript, seconds)
+        return completed(ev.item_id, ev.transcript, seconds, ev.words)
     if name == "TranscriptFailed":
         return failed(ev.item_id, ev.code, ev.message)
     if name in ("TimeoutTriggered", "IdleTimeout"):

@@ -50,6 +50,7 @@ from fastapi import FastAPI, WebSocket
 
 from ...audio.features import SAMPLE_RATE
 from ..protocol import APIError
+from ..serving import has_aligner
 from . import protocol as rp
 from .protocol import ProtocolError, SessionConfig
 
@@ -425,6 +426,11 @@ class Connection:
             self.session.clear()
         elif isinstance(ev, rp.SessionUpdate):
             cfg = self.cfg.updated(ev, self.names)
+            if cfg.word_timestamps and not has_aligner(self.service.engine):
+                p = "session.audio.input.transcription" if ev.shape == "ga" else "session.input_audio_transcription"
+                raise ProtocolError("word_timestamps needs word times, and this server has no aligner: start it with "
+                                    "glmasr serve --aligner PATH (a glm-asr-ctc head folder)", "unsupported_value",
+                                    f"{p}.word_timestamps", ev.event_id)
             fmt = cfg.input_format()
             if fmt != self.decoder.format:
                 try:  # the audio so far was decoded in the old format: its tail joins the buffer
