@@ -24,6 +24,7 @@ milliseconds of output until more input (or ``flush``) comes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,7 +117,8 @@ class StreamDecoder:
     ``flush()`` returns the rest (the resampler's tail) and starts afresh, as if a new clip began: the concatenation
     of everything pushed and flushed equals ``load_audio`` of the clip's samples (see the module docstring);
     ``flush()`` with an odd byte left raises ``ValueError`` naming it and changes nothing (push the missing byte,
-    or ``reset()``). ``reset()`` drops the pending byte and the resampler's state."""
+    or ``reset()``). ``reset()`` drops the pending byte and the resampler's state. ``max_output(n)`` bounds what
+    the audio held back plus ``n`` more input samples become (a caller checking a buffer limit before a push)."""
 
     def __init__(self, fmt: InputFormat):
         if not isinstance(fmt, InputFormat):
@@ -127,12 +129,17 @@ class StreamDecoder:
         self._new_stream()
 
     def _new_stream(self) -> None:
+        self._in = self._out = 0  # input and output samples since the stream began (what is held back)
         self._stream = None
         if self.format.rate != SAMPLE_RATE:
             import soxr
 
             # as decode._Sink sets it up for files: its output is one soxr.resample call's, bit for bit
             self._stream = soxr.ResampleStream(self.format.rate, SAMPLE_RATE, 1, dtype="float32", quality="HQ")
+
+    def max_output(self, incoming: int) -> int:
+        """At most how many 16 kHz samples the audio held back plus ``incoming`` more input samples become."""
+        return math.ceil((self._in + incoming) * SAMPLE_RATE / self.format.rate) + 1 - self._out
 
     @property
     def pending_bytes(self) -> int:
@@ -158,11 +165,11 @@ class StreamDecoder:
     def push(self, data) -> np.ndarray:
         """Raw bytes of the format -> the 16 kHz float32 samples ready so far (a new array)."""
         x = self._samples(data)
-        if self._stream is None:
-            return x
-        if not x.shape[0]:
-            return np.zeros(0, np.float32)
-        return self._stream.resample_chunk(x)
+        self._in += x.shape[0]
+        if self._stream is not None:
+            x = self._stream.resample_chunk(x) if x.shape[0] else np.zeros(0, np.float32)
+        self._out += x.shape[0]
+        return x
 
     def flush(self) -> np.ndarray:
         """The resampler's remaining output; the decoder then starts afresh. ``ValueError`` if half a 16-bit sample

@@ -72,6 +72,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..writers import FORMATS, SRT_LINE_CHARS, SUBTITLE_MAX_SEGMENT_S, CueOptions, render
 from .common import int_at_least, int_between, pick_model, positive_float, positive_int, seconds_between
 
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".m4a", ".mp4", ".webm", ".aac", ".aif",
@@ -83,7 +84,6 @@ ETA_MIN_FRACTION = 0.1  # of the audio done before the time left is estimated (e
 
 
 def parse_formats(value: str) -> list[str]:
-    from ..writers import FORMATS
 
     if value == "all":
         return list(FORMATS)
@@ -99,7 +99,6 @@ def parse_formats(value: str) -> list[str]:
 
 def line_width(text: str) -> int:
     """argparse type of --max-line-width: 0 (no wrapping) up to ``writers.SRT_LINE_CHARS``."""
-    from ..writers import SRT_LINE_CHARS
 
     return int_between(0, SRT_LINE_CHARS)(text)
 
@@ -247,19 +246,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "explicitly: an error); windows: 30 s windows grouped like the reference processor "
                         "(token-exact with transformers)")
     p.add_argument("--max-segment-s", type=seconds_between(1.0, 30.0), default=None, metavar="S",
-                   help="with vad: the longest segment, 1-30 s, speech-shaped (cut at pauses); default 7 when srt "
-                        "or vtt is written, else speech packed into pieces of up to 30 s")
+                   help=f"with vad: the longest segment, 1-30 s, speech-shaped (cut at pauses); default "
+                        f"{SUBTITLE_MAX_SEGMENT_S:g} when srt or vtt is written, else speech packed into pieces of "
+                        f"up to 30 s")
     p.add_argument("--word-timestamps", action="store_true",
                    help="word times from the aligner (needs --aligner): json and tsv carry the words, srt/vtt cues "
                         "are cut at word times")
     p.add_argument("--aligner", default=None, metavar="PATH",
                    help="a CTC aligner head's folder (the glm-asr-ctc layout) or hub id; turns --word-timestamps on")
-    p.add_argument("--max-line-width", type=line_width, default=42, metavar="N",
-                   help="srt/vtt: characters per line (default 42; 0: no wrapping, one line per cue)")
-    p.add_argument("--max-line-count", type=positive_int, default=2, metavar="N",
-                   help="srt/vtt with word times: lines per cue (default 2)")
-    p.add_argument("--max-cue-s", type=positive_float, default=7.0, metavar="S",
-                   help="srt/vtt with word times: the longest cue in seconds (default 7)")
+    cues = CueOptions()
+    p.add_argument("--max-line-width", type=line_width, default=cues.max_line_width, metavar="N",
+                   help=f"srt/vtt: characters per line (default {cues.max_line_width}; 0: no wrapping, one line "
+                        f"per cue)")
+    p.add_argument("--max-line-count", type=positive_int, default=cues.max_line_count, metavar="N",
+                   help=f"srt/vtt with word times: lines per cue (default {cues.max_line_count})")
+    p.add_argument("--max-cue-s", type=positive_float, default=cues.max_cue_s, metavar="S",
+                   help=f"srt/vtt with word times: the longest cue in seconds (default {cues.max_cue_s:g})")
     p.add_argument("--highlight-words", action="store_true",
                    help="srt/vtt with word times: one cue per word, the word underlined")
     p.add_argument("--diarize", action="store_true",
@@ -325,8 +327,6 @@ def max_segment_s(args, segmentation: str) -> float | None:
         return None
     if args.max_segment_s is not None:
         return args.max_segment_s
-    from ..writers import SUBTITLE_MAX_SEGMENT_S
-
     return SUBTITLE_MAX_SEGMENT_S if {"srt", "vtt"} & set(args.format) else None
 
 
@@ -386,7 +386,6 @@ class _Run:
         if segmentation is None:
             return 2
         try:
-            from ..writers import CueOptions
 
             self.cues = CueOptions(max_line_width=args.max_line_width or None, max_line_count=args.max_line_count,
                                    max_cue_s=args.max_cue_s, highlight_words=args.highlight_words)
@@ -563,7 +562,6 @@ class _Run:
 
     # ---- results ----
     def _write(self, i: int, r) -> None:
-        from ..writers import render
 
         f, outs = self.todo[i]
         try:

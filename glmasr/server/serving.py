@@ -101,12 +101,6 @@ def diarization_unavailable(e: BaseException | str) -> APIError:
                          f"{e}", param="response_format", code="diarization_unavailable")
 
 
-def has_aligner(engine) -> bool:
-    """Whether the engine client gives word times: the in-process engine's handle was loaded with an aligner
-    (``GlmAsr.aligner``); the ``--data-parallel`` workers have none."""
-    return getattr(getattr(engine, "asr", None), "aligner", None) is not None
-
-
 def no_aligner() -> APIError:
     return protocol.bad_request(
         "timestamp_granularities[]=word needs word times, and this server has no aligner: start it with "
@@ -242,7 +236,7 @@ class TranscriptionService:
         self.metrics = metrics
         self.max_audio_s = max_audio_s
         self.request_timeout_s = request_timeout_s
-        self.word_times = has_aligner(engine)
+        self.word_times = engine.word_timestamps
         self._warned_vad = False
         self._diarization: str | None = None  # why diarization cannot run here ("" once known to be able to)
 

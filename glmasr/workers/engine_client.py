@@ -78,6 +78,11 @@ class EngineClient:
         """Per engine process: state, pid, in-flight work and counters (None: one in-process engine)."""
         return None
 
+    @property
+    def word_timestamps(self) -> bool:
+        """Whether requests may ask for word times (``DecodeOptions.word_timestamps``): an aligner is loaded."""
+        return False
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -148,6 +153,10 @@ class LocalEngineClient(EngineClient):
     @property
     def slots(self) -> int:
         return self.asr.options.max_batch
+
+    @property
+    def word_timestamps(self) -> bool:
+        return self.asr.aligner is not None
 
     def submit(self, audio, decode, t_start, audio_ms=0.0, pieces=None, stream=False, timeout=None,
                priority=Priority.UPLOAD) -> LocalRequest:

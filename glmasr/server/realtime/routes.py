@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import secrets
 import uuid
 from dataclasses import dataclass
@@ -49,8 +48,8 @@ from dataclasses import dataclass
 from fastapi import FastAPI, WebSocket
 
 from ...audio.features import SAMPLE_RATE
+from ...audio.stream import StreamDecoder
 from ..protocol import APIError
-from ..serving import has_aligner
 from . import protocol as rp
 from .protocol import ProtocolError, SessionConfig
 
@@ -328,7 +327,7 @@ class Connection:
         limits = LiveLimits(max_session_s=service.limits.max_session_s, max_buffer_s=service.limits.max_buffer_s,
                             idle_s=None)
         try:
-            self.decoder = _Decoder(self.cfg.input_format())
+            self.decoder = StreamDecoder(self.cfg.input_format())
             self.session = LiveSession(service.engine, service.prompts, service.vads, self.cfg.live_settings(),
                                        limits, self.emit, metrics=service.hook)
         except Exception as e:  # a bug or a broken install: said to the client, logged under a reference
@@ -401,7 +400,7 @@ class Connection:
             # resampler still holds of earlier appends, so that the tail a commit flushes always fits
             max_buffer = self.service.limits.max_buffer_s
             incoming = len(ev.audio) // fmt.bytes_per_sample
-            if self.session.buffered_s * SAMPLE_RATE + self.decoder.expected(incoming) > max_buffer * SAMPLE_RATE:
+            if self.session.buffered_s * SAMPLE_RATE + self.decoder.max_output(incoming) > max_buffer * SAMPLE_RATE:
                 raise ProtocolError(f"the uncommitted audio would exceed the limit of {max_buffer:g} s "
                                     "(--realtime-max-buffer-s); commit or clear it; nothing of this append was used",
                                     "buffer_too_large", "audio", ev.event_id)
@@ -426,7 +425,7 @@ class Connection:
             self.session.clear()
         elif isinstance(ev, rp.SessionUpdate):
             cfg = self.cfg.updated(ev, self.names)
-            if cfg.word_timestamps and not has_aligner(self.service.engine):
+            if cfg.word_timestamps and not self.service.engine.word_timestamps:
                 p = "session.audio.input.transcription" if ev.shape == "ga" else "session.input_audio_transcription"
                 raise ProtocolError("word_timestamps needs word times, and this server has no aligner: start it with "
                                     "glmasr serve --aligner PATH (a glm-asr-ctc head folder)", "unsupported_value",
@@ -437,7 +436,7 @@ class Connection:
                     self.session.append(self.decoder.flush())
                 except LiveLimitError:
                     pass
-                self.decoder = _Decoder(fmt)
+                self.decoder = StreamDecoder(fmt)
             try:
                 self.session.update(cfg.live_settings())
             except ValueError as e:
@@ -445,33 +444,3 @@ class Connection:
             self.cfg = cfg
             self.send(rp.session_updated(cfg, self.session_id))
 
-
-class _Decoder:
-    """``audio.stream.StreamDecoder`` that counts its input and output since its last flush or reset, so that the
-    16 kHz samples it still holds back are known (``expected``)."""
-
-    def __init__(self, fmt):
-        from ...audio.stream import StreamDecoder
-
-        self._dec = StreamDecoder(fmt)
-        self.format = fmt
-        self._in = self._out = 0
-
-    def expected(self, incoming: int) -> int:
-        """At most how many 16 kHz samples the held-back audio plus ``incoming`` more input samples become."""
-        return math.ceil((self._in + incoming) * SAMPLE_RATE / self.format.rate) + 1 - self._out
-
-    def push(self, data: bytes):
-        x = self._dec.push(data)
-        self._in += len(data) // self.format.bytes_per_sample
-        self._out += x.shape[0]
-        return x
-
-    def flush(self):
-        x = self._dec.flush()
-        self._in = self._out = 0
-        return x
-
-    def reset(self) -> None:
-        self._dec.reset()
-        self._in = self._out = 0
