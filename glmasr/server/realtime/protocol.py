@@ -234,9 +234,11 @@ class SessionConfig:
     word_timestamps: bool = False
     shape: str = "ga"
 
-    def updated(self, update: SessionUpdate, names: dict[str, str]) -> "SessionConfig":
-        """This session with ``update`` applied (``names``: lower-case served name -> name); ``ProtocolError``
-        naming the first refused field (nothing is applied then)."""
+    def updated(self, update: SessionUpdate, names: dict[str, str], word_timestamps: bool = False
+                ) -> "SessionConfig":
+        """This session with ``update`` applied (``names``: lower-case served name -> name; ``word_timestamps``:
+        whether the server can give word times, i.e. has an aligner); ``ProtocolError`` naming the first refused
+        field (nothing is applied then)."""
         try:
             if update.shape == "ga":
                 out = _apply_ga(self, update.session, names)
@@ -246,6 +248,11 @@ class SessionConfig:
             e.event_id = update.event_id
             raise
         out = replace(out, shape=update.shape)
+        if out.word_timestamps and not word_timestamps:
+            p = "session.audio.input.transcription" if update.shape == "ga" else "session.input_audio_transcription"
+            raise ProtocolError("word_timestamps needs word times, and this server has no aligner: start it with "
+                                "glmasr serve --aligner PATH (a glm-asr-ctc head folder)", "unsupported_value",
+                                f"{p}.word_timestamps", update.event_id)
         try:
             out.live_settings()  # the session's own validation (turn settings' ranges), as the session will see them
         except ValueError as e:

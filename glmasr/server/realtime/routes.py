@@ -424,12 +424,7 @@ class Connection:
             self.decoder.reset()
             self.session.clear()
         elif isinstance(ev, rp.SessionUpdate):
-            cfg = self.cfg.updated(ev, self.names)
-            if cfg.word_timestamps and not self.service.engine.word_timestamps:
-                p = "session.audio.input.transcription" if ev.shape == "ga" else "session.input_audio_transcription"
-                raise ProtocolError("word_timestamps needs word times, and this server has no aligner: start it with "
-                                    "glmasr serve --aligner PATH (a glm-asr-ctc head folder)", "unsupported_value",
-                                    f"{p}.word_timestamps", ev.event_id)
+            cfg = self.cfg.updated(ev, self.names, self.service.engine.word_timestamps)
             fmt = cfg.input_format()
             if fmt != self.decoder.format:
                 try:  # the audio so far was decoded in the old format: its tail joins the buffer
