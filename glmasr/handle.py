@@ -48,6 +48,7 @@ from .engine.loop import EngineLoop, check_priority, check_timeout
 from .engine.request import Priority
 from .errors import EngineClosed
 from .engine.model_runner import check_batch_invariance
+from .models.fast_weights import DECODE_WEIGHTS
 from .models.glmasr import GlmAsrModel
 from .options import DecodeOptions, EngineOptions
 from .pipeline import plan_audio, plan_pieces
@@ -549,7 +550,7 @@ class TranscriptionJob:
 
 
 def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, backend: str = "auto",
-         warmup: bool = False, aligner=None, **engine_options) -> GlmAsr:
+         warmup: bool = False, aligner=None, decode_weights: str = "bf16", **engine_options) -> GlmAsr:
     """Load a GLM-ASR checkpoint (local folder or hub id) onto ``device`` (default: CUDA if present) in
     ``dtype`` (default: bf16 on CUDA, fp32 on CPU). ``backend``: "torch" (plain-PyTorch reference path),
     "triton" (Triton kernels + fused weight cache, CUDA only) or "auto" (triton on CUDA, torch on CPU).
@@ -557,7 +558,10 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
     variables. ``warmup=True`` compiles the kernels and captures the graphs now (``GlmAsr.warmup``).
     ``aligner``: word times for ``DecodeOptions(word_timestamps=True)``: a glm-asr-ctc head folder or hub id
     (``glmasr.align.CtcAligner``, loaded and checked before the model's weights), or an ``glmasr.align.Aligner``
-    instance; None: no word times. ``load_timings`` on the result has ms per stage.
+    instance; None: no word times. ``decode_weights``: "bf16" (default) or "int8", opt-in: the decode step's
+    GEMVs stream per-row int8 copies of the decoder's matrices (Triton path only; ~1.35 GB more memory for the
+    full-size model, the bf16 matrices stay for the prefill; changes the logits slightly: check WER on your data;
+    ``glmasr/models/fast_decoder.py``). ``load_timings`` on the result has ms per stage.
 
     The tokenizer (importing transformers is most of its cost) and, on CUDA, the log-mel frontend's cubin (an
     NVRTC compile when its cache is cold) are prepared in background threads while the weights stream in."""
@@ -565,6 +569,8 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
     timings: dict[str, float] = {}
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: use one of {BACKENDS}")
+    if decode_weights not in DECODE_WEIGHTS:
+        raise ValueError(f"unknown decode_weights {decode_weights!r}: use one of {DECODE_WEIGHTS}")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     options = EngineOptions.from_env(**engine_options)
@@ -583,6 +589,10 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
         aligner = load_aligner(aligner, folder, dev, cfg)
         timings["aligner_ms"] = 1e3 * (time.perf_counter() - t)
     fast = backend == "triton" or (backend == "auto" and dev.type == "cuda")
+    if decode_weights != "bf16" and not fast:
+        raise ValueError(f"decode_weights={decode_weights!r} needs the Triton path (backend='triton' or 'auto' on a "
+                         f"CUDA device; TRITON_INTERPRET=1 with backend='triton' for CPU testing); this load runs "
+                         f"the plain PyTorch path (backend={backend!r} on {dev})")
     if fast:  # imported here, before the threads start, so no two threads import the same modules at once
         from .models.fast import FastGlmAsrModel
         if dev.type == "cuda":
@@ -607,7 +617,7 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
     frontend = "torch"
     if fast:
         t = time.perf_counter()
-        net = FastGlmAsrModel(net)
+        net = FastGlmAsrModel(net, decode_weights=decode_weights)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         timings["weight_fusion_ms"] = 1e3 * (time.perf_counter() - t)

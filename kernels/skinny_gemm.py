@@ -48,6 +48,22 @@ PDL (sm_90+, ``_triton_utils.pdl_launch``): the first W tile of each program is 
 while the previous kernel drains. ``*_ref`` are the plain-torch references (fp32 math on the given, already
 rounded, inputs).
 
+int8 weights (opt-in, ``scale=``): ``W`` may be int8 (N, K) with one fp32 scale per row, ``scale`` (N,) (for
+SwiGLU rows [0, I) are the gate's, [I, 2I) the up's), from ``quantize_rows``: symmetric, per output channel,
+``scale[n] = max_k |W[n, k]| / 127`` (1 for an all-zero row), ``q = clamp(round(W / scale), -127, 127)``. The
+kernel computes ``y[m, n] = scale[n] * sum_k x[m, k] q[n, k]``: the K loop upcasts each int8 tile in registers
+(to fp32 on the FMA path, to x's dtype on the tensor-core path, exact: |q| <= 127 fits bf16's 8-bit
+significand) and the epilogue multiplies the fp32 accumulator by ``scale[n]`` before the cast / SwiGLU (split-K:
+the reduce kernel, after summing the fp32 partials). x, out and the math stay in x's dtype (bf16, fp16, fp32) /
+fp32; only the streamed weight bytes halve. Why int8 and not FP8 e4m3: a weight-only GEMV dequantizes in
+registers either way (the bytes, not the math, set the time), and int8 with a per-row scale keeps ~7 bits of
+uniform precision over the row's range (127 steps of amax/127 each side; error <= half a step) where e4m3 keeps 3
+mantissa bits (relative step 1/8 at every magnitude); e4m3's wider range helps only rows whose values span many
+octaves, and a per-row scale already fits each row's range. The int8 configs (``int8_config``): the bf16 config
+of the same shape, BLOCK_K doubled on the FMA path. ``linear`` / ``linear_swiglu`` never send an int8
+weight to cuBLAS (it has no int8 x bf16 GEMM): more than 16 rows run through the kernel 16 at a time. The
+references dequantize in fp32 (``x.float() @ (q.float() * scale[:, None]).T``, rounded like the bf16 ones).
+
 Interpreter (TRITON_INTERPRET=1): CPU tensors accepted; tl.dot is fed fp32 copies (its bf16 dot is wrong); the
 K loop has a constexpr trip count everywhere, which numpy >= 2.4 needs.
 """
@@ -66,7 +82,7 @@ from ._triton_utils import as_rows, cdiv, check_device, interpreting, next_pow2,
 __all__ = [
     "SkinnyConfig", "CONFIGS", "MAX_M", "select", "kernel_config", "skinny_gemm", "skinny_gemm_swiglu", "skinny_gemm_ref",
     "skinny_gemm_swiglu_ref", "linear", "linear_swiglu", "m_bucket", "invariant_config", "linear_invariant",
-    "linear_swiglu_invariant",
+    "linear_swiglu_invariant", "quantize_rows", "int8_config",
 ]
 
 MAX_M = 16
@@ -94,18 +110,68 @@ class SkinnyConfig:
 
 # ------------------------------------------------------------------------------------------------ references
 
-def skinny_gemm_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T in fp32 on the given inputs, rounded once to x's dtype."""
-    y = (x.float() @ w.float().t()).to(x.dtype)
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row (per output channel) int8 quantization of a floating-point W (N, K) for ``scale=``:
+    returns ``(q, scale)``, q int8 (N, K) contiguous and scale fp32 (N,) on W's device, with
+    ``scale[n] = max_k |W[n, k]| / 127`` (1 for an all-zero row, so nothing divides by zero) and
+    ``q = clamp(round(W / scale[:, None]), -127, 127)``; ``q * scale[:, None]`` is within ``scale[n] / 2`` of
+    every W[n, k] (up to fp32 rounding). Works in fp32 (an (N, K) fp32 temporary); a non-finite W raises."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_rows needs a floating-point 2-D weight (N, K), got {w.dtype} {tuple(w.shape)}")
+    wf = w.float()
+    amax = wf.abs().amax(dim=1) if w.shape[1] else torch.zeros(w.shape[0], device=w.device)
+    if not bool(torch.isfinite(amax).all()):
+        rows = torch.nonzero(~torch.isfinite(amax)).flatten()[:5].tolist()
+        raise ValueError(f"quantize_rows: W has non-finite values (rows {rows}...)")
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.clamp(torch.round(wf / scale[:, None]), -127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def _check_scale(w: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    """Validates the (W, scale) pair; True for an int8 W (with its per-row fp32 scale), False for a float W."""
+    if w.dtype == torch.int8:
+        if scale is None:
+            raise ValueError("W is int8: pass its per-row fp32 dequantization scales as scale= (quantize_rows)")
+        if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+            raise ValueError(f"scale must be an fp32 tensor (one per row of W), got "
+                             f"{getattr(scale, 'dtype', type(scale).__name__)}")
+        if scale.dim() != 1 or scale.shape[0] != w.shape[0]:
+            raise ValueError(f"scale must have shape ({w.shape[0]},) (one per row of W {tuple(w.shape)}), "
+                             f"got {tuple(scale.shape)}")
+        if scale.stride(0) != 1 and scale.shape[0] > 1:
+            raise ValueError("scale must be contiguous")
+        if scale.device != w.device:
+            raise ValueError(f"scale is on {scale.device}, W on {w.device}")
+        return True
+    if scale is not None:
+        raise ValueError(f"scale= is for an int8 W (per-row dequantization); W is {w.dtype}")
+    return False
+
+
+def _weight_f32(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """W in fp32 (int8: dequantized, q * scale per row) for the references."""
+    if _check_scale(w, scale):
+        return w.float() * scale[:, None]
+    return w.float()
+
+
+def skinny_gemm_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                    scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T in fp32 on the given inputs, rounded once to x's dtype; an int8 W is dequantized in fp32 first
+    (``W.float() * scale[:, None]``)."""
+    y = (x.float() @ _weight_f32(w, scale).t()).to(x.dtype)
     if out is not None:
         out.copy_(y)
         return out
     return y
 
 
-def skinny_gemm_swiglu_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(x @ Wg^T) * (x @ Wu^T), W = [Wg; Wu]; gate/up rounded to x's dtype first (the unfused path)."""
-    h = skinny_gemm_ref(x, w)
+def skinny_gemm_swiglu_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                           scale: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x @ Wg^T) * (x @ Wu^T), W = [Wg; Wu]; gate/up rounded to x's dtype first (the unfused path); an int8
+    W (with its 2I scales) dequantized in fp32 first."""
+    h = skinny_gemm_ref(x, w, scale=scale)
     gate, up = h.chunk(2, dim=-1)
     y = (F.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
     if out is not None:
@@ -146,8 +212,9 @@ def _load_tiles(w_ptrs, w2_ptrs, k0, K, offs_k, nmask, EVEN_N: tl.constexpr, EVE
 @triton.jit
 def _k_step(X, w, w2, k0, M, K, sx, offs_m, offs_k, acc, acc2,
             BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, SWIGLU: tl.constexpr, UPCAST: tl.constexpr,
-            DOT_PREC: tl.constexpr):
-    """One K tile: acc (+ acc2 for the SwiGLU up rows) += x[:, k0:k0+BK] . W_tile (tiles already loaded)."""
+            DOT_PREC: tl.constexpr, QUANT: tl.constexpr):
+    """One K tile: acc (+ acc2 for the SwiGLU up rows) += x[:, k0:k0+BK] . W_tile (tiles already loaded); an
+    int8 tile (QUANT) is upcast in registers, unscaled (the epilogue applies the per-row scale)."""
     k = k0 + offs_k
     kmask = k < K
     if USE_DOT:
@@ -160,6 +227,10 @@ def _k_step(X, w, w2, k0, M, K, sx, offs_m, offs_k, acc, acc2,
             if SWIGLU:
                 acc2 = tl.dot(w2.to(tl.float32), xt, acc2, input_precision=DOT_PREC)
         else:
+            if QUANT:  # int8 -> x's dtype: exact (|q| <= 127)
+                w = w.to(xt.dtype)
+                if SWIGLU:
+                    w2 = w2.to(xt.dtype)
             acc = tl.dot(w, xt, acc, input_precision=DOT_PREC)
             if SWIGLU:
                 acc2 = tl.dot(w2, xt, acc2, input_precision=DOT_PREC)
@@ -200,13 +271,14 @@ def _swiglu_epilogue(g, u, Y):
 
 
 @triton.jit
-def _skinny_kernel(X, W, Y, WS, M, N, K, sx, sw, sy, HALF,
+def _skinny_kernel(X, W, S, Y, WS, M, N, K, sx, sw, sy, HALF,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, ITERS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                    USE_DOT: tl.constexpr, SWIGLU: tl.constexpr, UPCAST: tl.constexpr,
                    NUM_STAGES: tl.constexpr, STATIC: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
-                   PRELOAD: tl.constexpr):
+                   PRELOAD: tl.constexpr, QUANT: tl.constexpr):
     # N = output columns (I for SwiGLU); HALF = row offset of the up half in W (I), unused otherwise.
+    # QUANT: W int8 with per-row fp32 scales S (2I of them for SwiGLU); otherwise S is None.
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -228,24 +300,30 @@ def _skinny_kernel(X, W, Y, WS, M, N, K, sx, sw, sy, HALF,
     w, w2 = _load_tiles(w_ptrs, w2_ptrs, k_base, K, offs_k, nmask, EVEN_N, EVEN_K, SWIGLU)
     if PRELOAD == 2:
         wb, wb2 = _load_tiles(w_ptrs, w2_ptrs, k_base + BLOCK_K, K, offs_k, nmask, EVEN_N, EVEN_K, SWIGLU)
+    if QUANT:
+        if SPLIT_K == 1:  # the row scales, a weight too (split-K: the reduce kernel applies them)
+            scl = tl.load(S + offs_n, mask=nmask, other=1.0)
+            scl2 = scl
+            if SWIGLU:
+                scl2 = tl.load(S + HALF + offs_n, mask=nmask, other=1.0)
     pdl_wait(PDL)
     acc, acc2 = _k_step(X, w, w2, k_base, M, K, sx, offs_m, offs_k, acc, acc2, BLOCK_M, USE_DOT, SWIGLU,
-                        UPCAST, DOT_PREC)
+                        UPCAST, DOT_PREC, QUANT)
     if PRELOAD == 2:
         acc, acc2 = _k_step(X, wb, wb2, k_base + BLOCK_K, M, K, sx, offs_m, offs_k, acc, acc2, BLOCK_M,
-                            USE_DOT, SWIGLU, UPCAST, DOT_PREC)
+                            USE_DOT, SWIGLU, UPCAST, DOT_PREC, QUANT)
     if STATIC:
         for it in range(PRELOAD, ITERS):
             k0 = k_base + it * BLOCK_K
             w, w2 = _load_tiles(w_ptrs, w2_ptrs, k0, K, offs_k, nmask, EVEN_N, EVEN_K, SWIGLU)
             acc, acc2 = _k_step(X, w, w2, k0, M, K, sx, offs_m, offs_k, acc, acc2, BLOCK_M, USE_DOT,
-                                SWIGLU, UPCAST, DOT_PREC)
+                                SWIGLU, UPCAST, DOT_PREC, QUANT)
     else:
         for it in tl.range(PRELOAD, ITERS, num_stages=NUM_STAGES):
             k0 = k_base + it * BLOCK_K
             w, w2 = _load_tiles(w_ptrs, w2_ptrs, k0, K, offs_k, nmask, EVEN_N, EVEN_K, SWIGLU)
             acc, acc2 = _k_step(X, w, w2, k0, M, K, sx, offs_m, offs_k, acc, acc2, BLOCK_M, USE_DOT,
-                                SWIGLU, UPCAST, DOT_PREC)
+                                SWIGLU, UPCAST, DOT_PREC, QUANT)
 
     offs_m64 = offs_m.to(tl.int64)
     if USE_DOT:
@@ -257,13 +335,22 @@ def _skinny_kernel(X, W, Y, WS, M, N, K, sx, sw, sy, HALF,
         col_off = offs_n[None, :]
         mask = (offs_m < M)[:, None] & nmask[None, :]
     if SPLIT_K == 1:
+        if QUANT:
+            if USE_DOT:
+                acc = acc * scl[:, None]
+                if SWIGLU:
+                    acc2 = acc2 * scl2[:, None]
+            else:
+                acc = acc * scl[None, :]
+                if SWIGLU:
+                    acc2 = acc2 * scl2[None, :]
         if SWIGLU:
             res = _swiglu_epilogue(acc, acc2, Y)
         else:
             res = acc
         tl.store(Y + row_off * sy + col_off, res.to(Y.dtype.element_ty), mask=mask)
     else:
-        # fp32 partials: WS (SPLIT_K, M, NT), NT = 2*HALF for SwiGLU (gate | up), else N.
+        # fp32 partials (unscaled for QUANT): WS (SPLIT_K, M, NT), NT = 2*HALF for SwiGLU (gate | up), else N.
         if SWIGLU:
             nt = 2 * HALF
         else:
@@ -275,9 +362,25 @@ def _skinny_kernel(X, W, Y, WS, M, N, K, sx, sw, sy, HALF,
 
 
 @triton.jit
-def _splitk_reduce_kernel(WS, Y, M, N, sy, HALF, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr,
-                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _reduce_scales(S, M, N, HALF, SWIGLU: tl.constexpr, BLOCK: tl.constexpr):
+    """The reduce kernel's row scales: S[n] (and S[HALF + n] for the SwiGLU up half) per output element."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    n = offs - (offs // N) * N
+    scl = tl.load(S + n, mask=mask, other=1.0)
+    scl2 = scl
+    if SWIGLU:
+        scl2 = tl.load(S + HALF + n, mask=mask, other=1.0)
+    return scl, scl2
+
+
+@triton.jit
+def _splitk_reduce_kernel(WS, S, Y, M, N, sy, HALF, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr,
+                          BLOCK: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr):
+    # QUANT: the sums are scaled by the int8 weight's row scales S (gate n: S[n], up n: S[HALF + n]).
     pdl_begin(PDL)
+    if QUANT:  # weights: read before the wait
+        scl, scl2 = _reduce_scales(S, M, N, HALF, SWIGLU, BLOCK)
     pdl_wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
@@ -295,6 +398,10 @@ def _splitk_reduce_kernel(WS, Y, M, N, sy, HALF, SPLIT_K: tl.constexpr, SWIGLU: 
         acc += tl.load(src + s * stride, mask=mask, other=0.0)
         if SWIGLU:
             acc2 += tl.load(src + s * stride + HALF, mask=mask, other=0.0)
+    if QUANT:
+        acc = acc * scl
+        if SWIGLU:
+            acc2 = acc2 * scl2
     if SWIGLU:
         res = _swiglu_epilogue(acc, acc2, Y)
     else:
@@ -371,27 +478,47 @@ def _heuristic(m: int, n: int, k: int, swiglu: bool, sms: int = 132) -> SkinnyCo
     return SkinnyConfig(bn, bk, split, warps, stages, use_dot)
 
 
-def select(m: int, n: int, k: int, swiglu: bool = False) -> SkinnyConfig | None:
-    """Config for an (m, n, k) problem (n = rows of W, 2I for SwiGLU); None means "use cuBLAS" (m > MAX_M)."""
+def select(m: int, n: int, k: int, swiglu: bool = False, int8: bool = False) -> SkinnyConfig | None:
+    """Config for an (m, n, k) problem (n = rows of W, 2I for SwiGLU); None means "use cuBLAS" (m > MAX_M).
+    ``int8``: the config for an int8 W (``int8_config``), never None for 1 <= m <= MAX_M (cuBLAS has no int8 x
+    bf16 GEMM; more rows run 16 at a time)."""
     if m > MAX_M or m < 1:
         return None
+    if int8:
+        return int8_config(kernel_config(m, n, k, swiglu))
     key = (n, k, m_bucket(m), swiglu)
     if key in CONFIGS:
         return CONFIGS[key]
     return _heuristic(m, n // 2 if swiglu else n, k, swiglu)
 
 
-def kernel_config(m: int, n: int, k: int, swiglu: bool = False) -> SkinnyConfig:
-    """The config a direct ``skinny_gemm`` call uses: ``select``'s, or the heuristic where it says cuBLAS."""
-    return select(m, n, k, swiglu) or _heuristic(m, n // 2 if swiglu else n, k, swiglu)
+def int8_config(cfg: SkinnyConfig) -> SkinnyConfig:
+    """The int8-weight variant of a bf16 config (the rule of ``select(..., int8=True)``; not tuned on its own:
+    the table is bf16's, ``config=`` takes an explicit one).
+
+    * FMA path: BLOCK_K doubled. A (BLOCK_N, 2 BLOCK_K) int8 tile is as many bytes as the (BLOCK_N, BLOCK_K)
+      bf16 one and each thread still issues 16-byte vector loads (16 int8 instead of 8 bf16), so a program keeps
+      the same bytes in flight over half the K iterations (the fp32 copy of the tile in registers doubles).
+    * Tensor-core path: unchanged. The int8 tile goes from global memory to registers, is converted there and
+      feeds the MMA as its register operand (no shared-memory staging), so a doubled tile would only double
+      those registers (for the 16-row gate|up config, into spills)."""
+    return cfg if cfg.use_dot else dataclasses.replace(cfg, block_k=2 * cfg.block_k)
 
 
-def invariant_config(n: int, k: int, swiglu: bool = False) -> SkinnyConfig:
+def kernel_config(m: int, n: int, k: int, swiglu: bool = False, int8: bool = False) -> SkinnyConfig:
+    """The config a direct ``skinny_gemm`` call uses: ``select``'s, or the heuristic where it says cuBLAS
+    (``int8``: that config through ``int8_config``)."""
+    cfg = select(m, n, k, swiglu) or _heuristic(m, n // 2 if swiglu else n, k, swiglu)
+    return int8_config(cfg) if int8 else cfg
+
+
+def invariant_config(n: int, k: int, swiglu: bool = False, int8: bool = False) -> SkinnyConfig:
     """The one config of the batch-invariant dispatchers for W (n, k): the 16-row one (tensor cores, x padded to
-    16 rows for every M)."""
+    16 rows for every M); ``int8``: that config through ``int8_config``."""
     cfg = kernel_config(MAX_M, n, k, swiglu)
     # a table entry could say FMA (its BLOCK_M would follow M): the heuristic at 16 rows is always the dot path
-    return cfg if cfg.use_dot else _heuristic(MAX_M, n // 2 if swiglu else n, k, swiglu)
+    cfg = cfg if cfg.use_dot else _heuristic(MAX_M, n // 2 if swiglu else n, k, swiglu)
+    return int8_config(cfg) if int8 else cfg
 
 
 # ------------------------------------------------------------------------------------------------ launchers
@@ -419,14 +546,18 @@ def _workspace(device: torch.device, numel: int) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: SkinnyConfig | None,
-            workspace: torch.Tensor | None, swiglu: bool) -> torch.Tensor:
-    check_device(x, w, out, workspace)
+            workspace: torch.Tensor | None, swiglu: bool, scale: torch.Tensor | None = None) -> torch.Tensor:
+    check_device(x, w, out, workspace, scale)
     if w.dim() != 2:
         raise ValueError("W must be 2-D (N, K)")
+    quant = _check_scale(w, scale)
     nw, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x last dim {x.shape[-1]} != W.shape[1] {k}")
-    if x.dtype != w.dtype:
+    if quant:
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"x must be bf16, fp16 or fp32 with an int8 W, got {x.dtype}")
+    elif x.dtype != w.dtype:
         raise ValueError(f"x dtype {x.dtype} != W dtype {w.dtype}")
     if w.stride(1) != 1 and k > 1:
         raise ValueError("W must have unit stride along K (nn.Linear layout); refusing to copy the weight")
@@ -436,7 +567,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
     x2 = as_rows(x)
     m = x2.shape[0]
     if m > MAX_M:
-        raise ValueError(f"skinny_gemm supports M <= {MAX_M} rows (got {m}); use linear() to dispatch to cuBLAS")
+        raise ValueError(f"skinny_gemm supports M <= {MAX_M} rows (got {m}); use linear(), which dispatches more "
+                         f"rows to cuBLAS (an int8 W: to this kernel, {MAX_M} rows at a time)")
     oshape = (*x.shape[:-1], n)
     if out is None:
         out = torch.empty(oshape, device=x.device, dtype=x.dtype)
@@ -454,7 +586,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
     if k == 0:
         out2.zero_()  # empty sum (silu(0) * 0 = 0 for SwiGLU too)
         return out
-    cfg = config or kernel_config(m, nw, k, swiglu)
+    cfg = config or kernel_config(m, nw, k, swiglu, int8=quant)
     interp = interpreting()
     bm = m_bucket(m)
     bk = max(16, min(cfg.block_k, next_pow2(k)))
@@ -479,36 +611,48 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: 
     pdl = pdl_launch(x.device)
     preload = min(_preload(cfg), iters)
     _skinny_kernel[grid](
-        x2, w, out2, ws, m, n, k, x2.stride(0), w.stride(0), out2.stride(0), n if swiglu else 0,
+        x2, w, scale, out2, ws, m, n, k, x2.stride(0), w.stride(0), out2.stride(0), n if swiglu else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, ITERS=iters, EVEN_N=even_n, EVEN_K=even_k,
         USE_DOT=cfg.use_dot, SWIGLU=swiglu, UPCAST=interp, NUM_STAGES=cfg.num_stages, STATIC=interp,
         # fp32 I/O: true fp32 products (tl.dot's default for fp32 is TF32, ~1e-3 relative)
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", PRELOAD=preload,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", PRELOAD=preload, QUANT=quant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     if split > 1:
         block = 1024 if m * n >= 1024 else max(16, next_pow2(m * n))
         _splitk_reduce_kernel[(cdiv(m * n, block),)](
-            ws, out2, m, n, out2.stride(0), n if swiglu else 0, SPLIT_K=split, SWIGLU=swiglu,
-            BLOCK=block, num_warps=4, **pdl)
+            ws, scale, out2, m, n, out2.stride(0), n if swiglu else 0, SPLIT_K=split, SWIGLU=swiglu,
+            BLOCK=block, QUANT=quant, num_warps=4, **pdl)
     return out
 
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                config: SkinnyConfig | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) @ W(N, K)^T -> (..., N) for M <= 16 rows; see the module docstring."""
-    return _launch(x, w, out, config, workspace, False)
+                config: SkinnyConfig | None = None, workspace: torch.Tensor | None = None,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) @ W(N, K)^T -> (..., N) for M <= 16 rows; W int8 with ``scale`` (N,) fp32 per row, or x's
+    dtype; see the module docstring."""
+    return _launch(x, w, out, config, workspace, False, scale)
 
 
 def skinny_gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                       config: SkinnyConfig | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(x @ Wg^T) * (x @ Wu^T) with W = [Wg; Wu] (2I, K) -> (..., I) for M <= 16 rows."""
-    return _launch(x, w, out, config, workspace, True)
+                       config: SkinnyConfig | None = None, workspace: torch.Tensor | None = None,
+                       scale: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x @ Wg^T) * (x @ Wu^T) with W = [Wg; Wu] (2I, K) -> (..., I) for M <= 16 rows; an int8 W takes its
+    2I row scales in ``scale``."""
+    return _launch(x, w, out, config, workspace, True, scale)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Dispatcher: the skinny kernel when ``select`` picks it, else cuBLAS (torch.matmul)."""
-    m = x.numel() // max(1, x.shape[-1])
-    if select(m, w.shape[0], w.shape[1]) is not None:
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // max(1, x.shape[-1])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Dispatcher: the skinny kernel when ``select`` picks it, else cuBLAS (torch.matmul). An int8 W (with its
+    ``scale``) always runs on the kernel, more than 16 rows 16 at a time."""
+    if w.dtype == torch.int8:
+        return _by_chunks(x, w, out, False, scale, None)
+    _check_scale(w, scale)  # a scale with a float W is a mistake, not something to ignore
+    if select(_rows(x), w.shape[0], w.shape[1]) is not None:
         return skinny_gemm(x, w, out=out)
     if out is None:
         return F.linear(x, w)
@@ -516,10 +660,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) ->
     return out
 
 
-def linear_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Dispatcher for the fused gate|up + SwiGLU: skinny kernel for M <= 16, else cuBLAS + kernels.activations."""
-    m = x.numel() // max(1, x.shape[-1])
-    if select(m, w.shape[0], w.shape[1], swiglu=True) is not None:
+def linear_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Dispatcher for the fused gate|up + SwiGLU: skinny kernel for M <= 16, else cuBLAS + kernels.activations;
+    an int8 W (with its ``scale``) always on the kernel, 16 rows at a time."""
+    if w.dtype == torch.int8:
+        return _by_chunks(x, w, out, True, scale, None)
+    _check_scale(w, scale)
+    if select(_rows(x), w.shape[0], w.shape[1], swiglu=True) is not None:
         return skinny_gemm_swiglu(x, w, out=out)
     from .activations import swiglu
 
@@ -530,30 +678,48 @@ def linear_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     return out
 
 
-def _invariant(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, swiglu: bool) -> torch.Tensor:
-    n = w.shape[0] // 2 if swiglu else w.shape[0]
-    cfg = invariant_config(w.shape[0], w.shape[1], swiglu)
+def _by_chunks(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, swiglu: bool,
+               scale: torch.Tensor | None, config: SkinnyConfig | None) -> torch.Tensor:
+    """The kernel on any number of rows: one launch up to MAX_M rows, else one per 16 rows into views of
+    ``out``. ``config`` None: each launch's own default config (by its row count)."""
     x2 = as_rows(x)
     m = x2.shape[0]
     if m <= MAX_M:
-        return _launch(x, w, out, cfg, None, swiglu)
+        return _launch(x, w, out, config, None, swiglu, scale)
+    if w.dim() != 2:
+        raise ValueError("W must be 2-D (N, K)")
+    n = w.shape[0] // 2 if swiglu else w.shape[0]
     oshape = (*x.shape[:-1], n)
     if out is None:
         out = torch.empty(oshape, device=x.device, dtype=x.dtype)
     elif tuple(out.shape) != oshape:  # the chunks below see only (16, n) views of it
         raise ValueError(f"out must be {oshape} {x.dtype} on {x.device}, got {tuple(out.shape)}")
-    out2 = out.view(m, n)
+    try:
+        out2 = out.view(m, n)
+    except RuntimeError as e:
+        raise ValueError("out must be viewable as (M, N)") from e
     for i in range(0, m, MAX_M):
-        _launch(x2[i:i + MAX_M], w, out2[i:i + MAX_M], cfg, None, swiglu)
+        _launch(x2[i:i + MAX_M], w, out2[i:i + MAX_M], config, None, swiglu, scale)
     return out
 
 
-def linear_invariant(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def _invariant(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, swiglu: bool,
+               scale: torch.Tensor | None) -> torch.Tensor:
+    if w.dim() != 2:
+        raise ValueError("W must be 2-D (N, K)")
+    cfg = invariant_config(w.shape[0], w.shape[1], swiglu, int8=w.dtype == torch.int8)
+    return _by_chunks(x, w, out, swiglu, scale, cfg)
+
+
+def linear_invariant(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                     scale: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) @ W^T for any number of rows, each row's result independent of the row count (module
-    docstring: batch invariance). Slower than ``linear`` where ``select`` would pick another config."""
-    return _invariant(x, w, out, False)
+    docstring: batch invariance). Slower than ``linear`` where ``select`` would pick another config. An int8 W
+    takes its ``scale``."""
+    return _invariant(x, w, out, False, scale)
 
 
-def linear_swiglu_invariant(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def linear_swiglu_invariant(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                            scale: torch.Tensor | None = None) -> torch.Tensor:
     """``linear_swiglu`` for any number of rows, batch-invariant like ``linear_invariant``."""
-    return _invariant(x, w, out, True)
+    return _invariant(x, w, out, True, scale)

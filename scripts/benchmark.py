@@ -2,7 +2,7 @@
 
     bash benchmark.sh [--only latency,decode,encoder,throughput,breakdown,invariant,coldstart,serve,longform,realtime]
                       [--quick] [--realtime-sessions 64,256,512] [--realtime-partial-sessions 32,128]
-                      [--realtime-seconds 60]
+                      [--realtime-seconds 60] [--realtime-audio FILE...]
                       [--no-peers] [--no-compiled-peer] [--out DIR]
     (benchmark.sh runs ``python -m scripts.benchmark`` from the checkout root; the helpers are scripts/bench/*)
 
@@ -702,7 +702,8 @@ def section_realtime(asr, folder: Path, args, out: Path):
         sessions, partial = sessions[:2], partial[:1]
     return realtime_load.run(folder, DEV, sessions=sessions, partial_sessions=partial,
                              seconds=20.0 if args.quick else args.realtime_seconds, max_batch=asr.options.max_batch,
-                             out_dir=out)
+                             out_dir=out, audio=tuple(args.realtime_audio),
+                             server_flags=tuple(args.realtime_server_flag))
 
 
 def section_longform(asr, quick: bool, out: Path):
@@ -731,6 +732,11 @@ def main():
     ap.add_argument("--realtime-partial-sessions", default="32,128",
                     help="realtime section: concurrent live sessions per level with partials on ('' for none)")
     ap.add_argument("--realtime-seconds", type=float, default=60.0, help="realtime section: seconds per level")
+    ap.add_argument("--realtime-server-flag", action="append", default=[], metavar="FLAG",
+                    help="realtime section: a flag for its glmasr serve (repeatable, --realtime-server-flag=--x=1)")
+    ap.add_argument("--realtime-audio", nargs="+", default=(), metavar="FILE",
+                    help="realtime section: speech files the sessions stream (default: espeak-ng speech; a machine "
+                         "without espeak-ng needs them)")
     args = ap.parse_args()
     only = [s for s in args.only.split(",") if s]
     unknown = sorted(set(only) - set(SECTIONS))

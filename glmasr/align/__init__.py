@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 from .base import Aligner, AlignSegment
-from .ctc import CtcAlignment, ctc_viterbi, ctc_viterbi_batch
+from .ctc import CtcAlignment, ctc_viterbi, ctc_viterbi_batch, ctc_viterbi_batch_torch
 from .ctc_aligner import DEFAULT_ALIGNER_ID, CtcAligner, resolve_head_folder
 from .head import CtcHead, CtcHeadConfig, load_head
 
@@ -31,6 +31,7 @@ __all__ = [
     "CtcHeadConfig",
     "ctc_viterbi",
     "ctc_viterbi_batch",
+    "ctc_viterbi_batch_torch",
     "load_aligner",
     "load_head",
     "resolve_head_folder",

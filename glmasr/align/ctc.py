@@ -10,6 +10,11 @@ in state 2i+1: [start, end), at least one frame; its probability is the mean pos
 Infeasible inputs (fewer frames than tokens plus repeats) have no path: ``None``. ``ctc_viterbi_batch`` runs
 several utterances in one vectorised pass (numpy over the batch and the states, a Python loop over frames; the
 back-pointers take T x S bytes); ``ctc_viterbi`` is one utterance. Scores accumulate in float64.
+
+``ctc_viterbi_batch_torch`` is the same recursion on torch tensors, for log-posteriors that already sit on a GPU:
+each frame is a handful of (B, S) operations whatever the batch, so a batch of segments costs about what one
+does, where numpy's per-frame work grows with the batch. Its results equal ``ctc_viterbi_batch``'s (the same
+float64 sums, the same tie order: stay, then one step, then a skip); the numpy function is its reference.
 """
 
 from __future__ import annotations
@@ -46,11 +51,10 @@ def ctc_viterbi(log_probs: np.ndarray, targets, blank: int) -> CtcAlignment | No
     return ctc_viterbi_batch([(log_probs, targets)], blank)[0]
 
 
-def ctc_viterbi_batch(items, blank: int) -> list[CtcAlignment | None]:
-    """``items``: (log_probs (T_b, C_b), targets) per utterance; one vectorised pass over all of them."""
+def _prepare(items, blank: int, as_array) -> list:
     prepared = []
     for log_probs, targets in items:
-        lp = np.asarray(log_probs)
+        lp = as_array(log_probs)
         tg = np.asarray(list(targets), dtype=np.int64)
         if lp.ndim != 2:
             raise ValueError(f"log_probs must be (frames, classes), got shape {lp.shape}")
@@ -61,6 +65,12 @@ def ctc_viterbi_batch(items, blank: int) -> list[CtcAlignment | None]:
         if (tg == blank).any():
             raise ValueError(f"the blank id {blank} cannot be a target")
         prepared.append((lp, tg))
+    return prepared
+
+
+def ctc_viterbi_batch(items, blank: int) -> list[CtcAlignment | None]:
+    """``items``: (log_probs (T_b, C_b), targets) per utterance; one vectorised pass over all of them."""
+    prepared = _prepare(items, blank, np.asarray)
     out: list[CtcAlignment | None] = [None] * len(prepared)
     live = [i for i, (lp, tg) in enumerate(prepared) if lp.shape[0] >= max(1, min_frames(tg))]
     if not live:
@@ -109,6 +119,75 @@ def ctc_viterbi_batch(items, blank: int) -> list[CtcAlignment | None]:
             path[t] = s
             s -= back[b, t, s]
         out[i] = _spans(path, lp, tg, blank, float(score))
+    return out
+
+
+def ctc_viterbi_batch_torch(items, blank: int) -> list[CtcAlignment | None]:
+    """``ctc_viterbi_batch`` with the frame recursion in torch: ``items`` (log_probs (T_b, C_b) tensors, all on
+    one device, targets) per utterance. Only the back-pointers (B x T x S bytes) and the final scores come back to
+    the host, where the paths are traced back."""
+    import torch
+
+    prepared = _prepare(items, blank, lambda x: x if isinstance(x, torch.Tensor) else torch.as_tensor(x))
+    out: list[CtcAlignment | None] = [None] * len(prepared)
+    live = [i for i, (lp, tg) in enumerate(prepared) if lp.shape[0] >= max(1, min_frames(tg))]
+    if not live:
+        return out
+    dev = prepared[live[0]][0].device
+    B = len(live)
+    T = np.array([prepared[i][0].shape[0] for i in live])
+    L = np.array([prepared[i][1].size for i in live])
+    S = 2 * L + 1
+    Tmax, Smax = int(T.max()), int(S.max())
+    f64 = torch.float64
+    emit = torch.full((B, Tmax, Smax), NEG, dtype=f64, device=dev)
+    skip = np.zeros((B, Smax), dtype=bool)
+    for b, i in enumerate(live):
+        lp, tg = prepared[i]
+        ext = np.full(S[b], blank, dtype=np.int64)
+        ext[1::2] = tg
+        emit[b, :T[b], :S[b]] = lp.index_select(1, torch.from_numpy(ext).to(dev)).to(f64)
+        if L[b] > 1:
+            skip[b, 3:S[b]:2] = tg[1:] != tg[:-1]
+    skip_t = torch.from_numpy(skip).to(dev)
+    neg = torch.tensor(NEG, dtype=f64, device=dev)
+    alpha = torch.full((B, Smax), NEG, dtype=f64, device=dev)
+    alpha[:, 0] = emit[:, 0, 0]
+    if Smax > 1:
+        alpha[:, 1] = torch.where(torch.from_numpy(S > 1).to(dev), emit[:, 0, 1], neg)
+    back = torch.zeros((B, Tmax, Smax), dtype=torch.int8, device=dev)
+    prev1 = torch.full((B, Smax), NEG, dtype=f64, device=dev)
+    prev2 = torch.full((B, Smax), NEG, dtype=f64, device=dev)
+    lengths = torch.from_numpy(T).to(dev)[:, None]
+    one, two = torch.ones((), dtype=torch.int8, device=dev), torch.full((), 2, dtype=torch.int8, device=dev)
+    for t in range(1, Tmax):
+        prev1[:, 1:] = alpha[:, :-1]
+        prev2[:, 2:] = torch.where(skip_t[:, 2:], alpha[:, :-2], neg)
+        # ties go to the lowest choice (stay, then one step), as numpy's argmax over [alpha, prev1, prev2]
+        c1 = prev1 > alpha
+        best = torch.where(c1, prev1, alpha)
+        c2 = prev2 > best
+        best = torch.where(c2, prev2, best)
+        back[:, t] = torch.where(c2, two, torch.where(c1, one, torch.zeros_like(one)))
+        alpha = torch.where(t < lengths, torch.clamp_min(best + emit[:, t], NEG), alpha)
+    alpha_h, back_h = alpha.cpu().numpy(), back.cpu().numpy()
+    rows = np.arange(B)
+    last = S - 1
+    before = np.maximum(last - 1, 0)
+    ends = np.where((S == 1) | (alpha_h[rows, last] >= alpha_h[rows, before]), last, before)
+    scores = alpha_h[rows, ends]
+    # the paths of the whole batch traced back together, one frame at a time
+    paths = np.zeros((B, Tmax), dtype=np.int64)
+    state = ends.copy()
+    for t in range(Tmax - 1, -1, -1):
+        act = t < T
+        paths[act, t] = state[act]
+        state = np.where(act, state - back_h[rows, t, state], state)
+    for b, i in enumerate(live):
+        if scores[b] <= NEG / 2:
+            continue
+        lp, tg = prepared[i]
+        out[i] = _spans(paths[b, :T[b]], lp.float().cpu().numpy(), tg, blank, float(scores[b]))
     return out
 
 

@@ -14,9 +14,10 @@ Per segment (``AlignSegment``: its samples, start and text), in the caller's thr
    call.
 3. Head: log-softmax over the head's classes per window, kept for the segment's tokens and blank, windows
    concatenated in time.
-4. ``ctc.ctc_viterbi_batch`` over all segments at once; token i covers frames [a, b): times
-   ``start_s + a * 0.02`` to ``start_s + b * 0.02``; a word spans its tokens; its probability is the mean
-   posterior over its frames.
+4. ``ctc.ctc_viterbi_batch`` over all segments at once (on CUDA, from ``DEVICE_VITERBI_MIN_SEGMENTS`` segments,
+   ``ctc_viterbi_batch_torch`` on the device);
+   token i covers frames [a, b): times ``start_s + a * 0.02`` to ``start_s + b * 0.02``; a word spans its
+   tokens; its probability is the mean posterior over its frames.
 5. ``bias_correction`` (default on; ``aligner.bias_correction = False`` turns it off): the authors measured
    this head's word starts 105 ms late and ends 100 ms early against Montreal Forced Aligner on LibriSpeech
    (medians; English read speech; their figures, not measured here). Starts are moved 105 ms earlier and ends
@@ -24,7 +25,8 @@ Per segment (``AlignSegment``: its samples, start and text), in the caller's thr
    and so that a word ends no later than the next one starts.
 
 Cost: one more encoder pass over the audio (unpadded, so a little less than the engine's) plus the head
-(~40 M parameters, ~5 % of the encoder's FLOPs per frame) and the Viterbi (numpy, T x 2L states). Thread-safety:
+(~40 M parameters, ~5 % of the encoder's FLOPs per frame) and the Viterbi (T x 2L states; one pass over the
+frames for the whole batch, in torch on CUDA, numpy on the CPU). Thread-safety:
 any number of threads may call ``align`` while the engine thread runs the model (the modules are read-only in
 inference mode). On CUDA the work runs on the aligner's own stream, so it neither waits for nor is captured into
 the engine's graphs; the two share the GPU.
@@ -51,12 +53,16 @@ from ..checkpoint.weights import hub_snapshot, looks_like_hub_id
 from ..errors import CheckpointError
 from ..results import Word
 from .base import Aligner, AlignSegment
-from .ctc import ctc_viterbi_batch
+from .ctc import ctc_viterbi_batch, ctc_viterbi_batch_torch
 from .head import CtcHead, load_head
 from .words import WordPlan, plan_words
 
 DEFAULT_ALIGNER_ID = "JazerJu/glm-asr-ctc"
 ENCODE_BATCH = 8  # windows per encoder call (equal lengths only: padding would change the states)
+# Batches from this many segments up run the Viterbi on the GPU (~10 launches per frame whatever the batch); smaller
+# ones in numpy on the host, whose per-frame work grows with the batch but starts lower (notes/measurements.md,
+# ninth session)
+DEVICE_VITERBI_MIN_SEGMENTS = 4
 
 
 class TokenizerOffsets:
@@ -196,14 +202,19 @@ class CtcAligner(Aligner):
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), ctx:
             items = self._log_probs([segments[i] for i in todo], [plans[i] for i in todo])
-        alignments = ctc_viterbi_batch(items, blank=0)
+            on_device = self.model.device.type == "cuda" and len(items) >= DEVICE_VITERBI_MIN_SEGMENTS
+            if on_device:  # the recursion where the posteriors are: one pass per frame for the whole batch
+                alignments = ctc_viterbi_batch_torch(items, blank=0)
+        if not on_device:
+            alignments = ctc_viterbi_batch([(lp.cpu().numpy(), tg) for lp, tg in items], blank=0)
         for i, aln in zip(todo, alignments):
             if aln is not None:
                 out[i] = self._words(segments[i], plans[i], aln)
         return out
 
     def _log_probs(self, segments: list[AlignSegment], plans: list[WordPlan]):
-        """Per segment: (log-posteriors (T, K) fp32 numpy with blank in column 0, targets as column indices)."""
+        """Per segment: (log-posteriors (T, K) fp32 on the model's device with blank in column 0, targets as
+        column indices)."""
         dev = self.model.device
         windows = []  # (segment, samples) in order
         for k, s in enumerate(segments):
@@ -223,7 +234,8 @@ class CtcAligner(Aligner):
             per_segment[k].append(self.head.token_log_probs(st, classes[k][0]))
         items = []
         for k, p in enumerate(plans):
-            lp = torch.cat(per_segment[k]).cpu().numpy() if per_segment[k] else np.zeros((0, 1), np.float32)
+            lp = (torch.cat(per_segment[k]) if per_segment[k]
+                  else torch.zeros((0, 1), dtype=torch.float32, device=dev))
             items.append((lp, [classes[k][1][t] for t in p.token_ids]))
         return items
 

@@ -8,6 +8,10 @@ status 0.
 ``--aligner PATH``: a CTC aligner head loaded beside the model (``glmasr.load(..., aligner=PATH)``): requests may ask
 for word times (``verbose_json`` with ``timestamp_granularities[]=word``); without it such a request is a 400.
 
+``--decode-weights int8`` (opt-in; default bf16): the decode step streams per-row int8 copies of the decoder's
+matrices (``glmasr.load(..., decode_weights="int8")``: the CUDA Triton path, ~1.35 GB more memory for the full-size
+model, slightly different logits); one engine only, not with ``--data-parallel``.
+
 ``--data-parallel N [--devices cuda:0,cuda:1,...]``: this process is the front end (HTTP, decoding, limits,
 streaming, metrics) and N engine worker processes each own one loaded model (``glmasr.workers.requests``); devices
 default to cuda:0..N-1 (``cpu`` entries work too; an entry may repeat). SIGTERM then drains the workers too.
@@ -20,6 +24,9 @@ import os
 import sys
 
 from .common import non_negative_float, pick_model, port, positive_float, positive_int
+
+
+SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval for the server process (see main)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the workers' devices with --data-parallel, comma-separated (default cuda:0..N-1; cpu "
                         "allowed, repeats allowed: cuda:0,cuda:0 runs two engines on one GPU)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--decode-weights", choices=("bf16", "int8"), default="bf16",
+                   help="weights the decode step streams (default bf16); int8 (opt-in, CUDA Triton path, one engine: "
+                        "not with --data-parallel): per-row int8 copies of the decoder's matrices, faster decoding "
+                        "for ~1.35 GB more GPU memory, slightly different logits (check WER on your data)")
     p.add_argument("--max-batch", type=positive_int, default=None,
                    help="engine sequence slots (default 64 on CUDA, 8 on CPU)")
     p.add_argument("--max-upload-mb", type=positive_float, default=25.0, help="largest upload in MiB (default 25)")
@@ -113,10 +124,14 @@ def main(argv: list[str] | None = None) -> int:
         if data_parallel:
             if args.aligner is not None:
                 raise ValueError("--aligner works with one engine, not with --data-parallel or --devices")
+            if args.decode_weights != "bf16":
+                raise ValueError(f"--decode-weights {args.decode_weights} works with one engine, not with "
+                                 f"--data-parallel or --devices (the worker processes load bf16 decode weights)")
             engine = _data_parallel_client(args, model)
         else:
             aligner = {"aligner": args.aligner} if args.aligner is not None else {}
-            engine = glmasr.load(model, device=args.device, dtype=args.dtype, max_batch=args.max_batch, **aligner)
+            engine = glmasr.load(model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
+                                 decode_weights=args.decode_weights, **aligner)
         extra = list(args.served_model_name)
         if args.model not in (None, "tiny-random"):
             extra.append(args.model)
@@ -145,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         if data_parallel:
             engine.stop_restarts()
 
+    # One interpreter runs the event loop (every session's appends), the VAD workers and the engine thread. A
+    # thread that comes back from C code which released the GIL (a CUDA wait, soxr, zlib, epoll) waits for the
+    # holder to reach the switch interval; Python's 5 ms default then adds milliseconds to every engine step and
+    # every append under load, so the server switches at 0.5 ms.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     server = _Server(uvicorn_config(app, args.host, args.port, limits, log_level=args.log_level,
                                     log_config=_log_config(args.log_level),
                                     timeout_graceful_shutdown=args.drain_timeout, lifespan="on",

@@ -14,6 +14,9 @@ Built once at load from a loaded reference model, whose modules keep working on 
 - ``models/kernel_support.py``: configs the kernels cannot serve. The part concerned (encoder, decoder) runs on
   the reference modules instead, decided once here with one ``KernelFallbackWarning`` per part.
 
+``decode_weights="int8"`` (opt-in): the decode step's GEMVs stream per-row int8 copies of the decoder's matrices
+(``models/fast_decoder.py`` says what changes and what it costs); it needs the Triton decoder.
+
 The model holds no CUDA graph: the engine's runner captures and replays them (``engine/model_runner.py``).
 """
 
@@ -28,6 +31,7 @@ from glmasr_kernels._triton_utils import interpreting
 
 from .fast_decoder import KernelDecoder
 from .fast_encoder import KernelEncoder
+from .fast_weights import DECODE_WEIGHTS
 from .glmasr import GlmAsrModel
 from ..errors import KernelFallbackWarning
 from .kernel_support import kernel_support
@@ -36,9 +40,12 @@ from .kv_cache import KVCache
 __all__ = ["FastGlmAsrModel", "KernelFallbackWarning", "kernel_support"]
 
 class FastGlmAsrModel:
-    """GLM-ASR on Triton kernels + cuBLAS GEMMs; see the module docstring."""
+    """GLM-ASR on Triton kernels + cuBLAS GEMMs; see the module docstring. ``decode_weights``: "bf16" (the
+    model's matrices) or "int8" (``models/fast_decoder.py``)."""
 
-    def __init__(self, reference: GlmAsrModel):
+    def __init__(self, reference: GlmAsrModel, decode_weights: str = "bf16"):
+        if decode_weights not in DECODE_WEIGHTS:
+            raise ValueError(f"unknown decode_weights {decode_weights!r}: use one of {DECODE_WEIGHTS}")
         if reference.device.type != "cuda" and not interpreting():
             raise ValueError("the Triton model path needs the weights on a CUDA device "
                              "(or TRITON_INTERPRET=1 for CPU testing)")
@@ -50,11 +57,15 @@ class FastGlmAsrModel:
         # (The frontend is chosen by the caller: ``kernel_support(cfg)["frontend"]``.)
         self.kernel_support = kernel_support(cfg)
         self.fallbacks = {p: r for p, r in self.kernel_support.items() if r is not None and p != "frontend"}
+        if decode_weights == "int8" and "decoder" in self.fallbacks:
+            raise ValueError(f"decode_weights='int8' needs the Triton decoder, which this config cannot use: "
+                             f"{self.fallbacks['decoder']}")
+        self.decode_weights = decode_weights
         for part, reason in self.fallbacks.items():
             warnings.warn(f"GLM-ASR {part} runs on the plain PyTorch path instead of the Triton kernels: {reason}",
                           KernelFallbackWarning, stacklevel=2)
         self.encoder = None if "encoder" in self.fallbacks else KernelEncoder(reference)
-        self.decoder = None if "decoder" in self.fallbacks else KernelDecoder(reference)
+        self.decoder = None if "decoder" in self.fallbacks else KernelDecoder(reference, decode_weights)
         self.triton_encoder = self.encoder is not None
         self.triton_decoder = self.decoder is not None
         self.embedding = reference.language_model.embed_tokens.weight

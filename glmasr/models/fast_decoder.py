@@ -16,6 +16,19 @@
 Batch invariance (``invariant=True``, the model's ``batch_invariant``): the decode GEMVs and the lm head run one
 config per shape for every row count (``skinny_gemm.linear_invariant``) and decode attention one pass per (row,
 kv head) (its split count would follow the batch), so a row's numerics do not depend on the rows beside it.
+
+int8 decode weights (opt-in, ``decode_weights="int8"``): a decode step of at most ``INT8_MAX_ROWS`` rows (any
+number with ``invariant``) runs its four GEMVs per layer (qkv, o_proj, gate|up + SwiGLU, down_proj) on per-row int8
+copies of the matrices (``fast_weights.Int8Matrix``; the kernel upcasts in registers and applies the row scale in
+its epilogue, ``kernels/skinny_gemm.py``; more than 16 rows: 16 at a time, never cuBLAS); larger steps use the
+bf16 matrices, where they are faster; activations, norms, attention and the KV cache stay in the model's
+dtype. The prefill keeps the bf16 matrices on cuBLAS and the lm head stays bf16, so the bf16 matrices stay
+loaded and the int8 copies cost memory on top (about 1.35 GB for the full-size model: 28 layers of 48.2 M
+weights, plus 2 MB of scales), while a batch-1 decode step streams ~1.6 GB instead of ~2.9 GB. Batch
+invariance holds in int8 too (the invariant dispatchers take the int8 weights). Accuracy: the quantized
+weights change the logits (error ~ the weights' relative step, 1/254 of each row's largest value); only logit
+error and top-1 agreement against bf16 can be measured without labelled speech
+(``scripts/bench/int8_agreement.py``); WER must be checked on the user's data.
 """
 
 from __future__ import annotations
@@ -31,9 +44,15 @@ from glmasr_kernels.rmsnorm import rms_norm
 from glmasr_kernels.rope import build_rope_cache, rope_and_append
 
 from .device import host_to_device
-from .fast_weights import decoder_weights
+from .fast_weights import DECODE_WEIGHTS, decoder_weights
 from .kv_cache import KVCache
 from .layers import sdpa_backends
+
+# Decode steps of at most this many rows use the int8 copies; larger ones the bf16 matrices (loaded anyway). The int8
+# kernels gain on the GEMVs' FMA path (1-2 rows) and lose from the tensor-core path up, where the int8 tile's
+# conversion in registers costs more than its bytes save (notes/measurements.md, ninth session). Batch-invariant
+# steps use the int8 copies at every row count, so a row's numerics never depend on the batch.
+INT8_MAX_ROWS = 2
 
 
 def flash_varlen_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -46,14 +65,31 @@ def flash_varlen_supported(device: torch.device, dtype: torch.dtype, head_dim: i
     return torch.backends.cuda.is_flash_attention_available()
 
 
-class KernelDecoder:
-    """The decoder layers, final norm and lm head of a loaded reference model, on the kernels."""
+def _cublas(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """A prefill's GEMM on cuBLAS (the bf16 matrices: a prefill never gets a scale)."""
+    return F.linear(x, w)
 
-    def __init__(self, reference):
+
+def _cublas_swiglu(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    return swiglu(F.linear(x, w))
+
+
+class KernelDecoder:
+    """The decoder layers, final norm and lm head of a loaded reference model, on the kernels. ``decode_weights``
+    ("bf16" or "int8", ``fast_weights.DECODE_WEIGHTS``): the matrices of the decode step's GEMVs (module
+    docstring; "int8" quantizes every layer now and keeps the bf16 matrices too)."""
+
+    def __init__(self, reference, decode_weights: str = "bf16"):
+        if decode_weights not in DECODE_WEIGHTS:
+            raise ValueError(f"unknown decode_weights {decode_weights!r}: use one of {DECODE_WEIGHTS}")
         dec = reference.language_model
         self.cfg = c = reference.cfg.text
         self.device = reference.device
+        self.decode_weights = decode_weights
         self.layers = decoder_weights(dec.layers)
+        if decode_weights == "int8":
+            for lw in self.layers:
+                lw.add_int8()
         self.final_norm = dec.norm.weight
         self.lm_head = reference.lm_head.weight
         self.cos, self.sin = build_rope_cache(c.head_dim, c.max_position_embeddings, c.rope_theta,
@@ -65,9 +101,13 @@ class KernelDecoder:
                                                                            c.head_dim) else "sdpa")
 
     def weight_bytes(self) -> int:
-        """Bytes of the matrices a decode step streams: every layer's four and the lm head."""
-        return (sum(t.numel() * t.element_size() for lw in self.layers for t in lw.tensors())
-                + self.lm_head.numel() * self.lm_head.element_size())
+        """Bytes of the matrices a decode step streams: every layer's four (with "int8": the int8 copies and
+        their scales) and the lm head (always the model's dtype)."""
+        if self.decode_weights == "int8":
+            layers = sum(m.nbytes() for lw in self.layers for m in lw.int8.matrices())
+        else:
+            layers = sum(t.numel() * t.element_size() for lw in self.layers for t in lw.tensors())
+        return layers + self.lm_head.numel() * self.lm_head.element_size()
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
                 rows: torch.Tensor | None, invariant: bool) -> torch.Tensor:
@@ -85,8 +125,10 @@ class KernelDecoder:
         h = rms_norm(embeds, self.layers[0].ln1, eps)
         lengths = positions[:, 0] + 1 if not prefill else None
         linear, linear_swiglu = self._linears(prefill, invariant)
+        int8 = self.decode_weights == "int8" and not prefill and (invariant or b <= INT8_MAX_ROWS)
         for i, lw in enumerate(self.layers):
-            qkv = linear(h, lw.w_qkv)
+            (w_qkv, s_qkv), (w_o, s_o), (w_gate_up, s_gate_up), (w_down, s_down) = self._matrices(lw, int8)
+            qkv = linear(h, w_qkv, scale=s_qkv)
             q = qkv[..., : nq * d].view(b, t, nq, d)
             k = qkv[..., nq * d:(nq + nk) * d].view(b, t, nk, d)
             v = qkv[..., (nq + nk) * d:].view(b, t, nk, d)
@@ -100,11 +142,19 @@ class KernelDecoder:
                 attn = decode_attention(q[:, 0], cache.k[i], cache.v[i], lengths, max_len=kv_len, cache_rows=rows,
                                         sm_scale=d ** -0.5, num_splits=1 if invariant else None
                                         ).reshape(b, 1, nq * d)
-            h, residual = rms_norm(linear(attn, lw.w_o), lw.ln2, eps, residual=residual)
-            mlp = linear(linear_swiglu(h, lw.w_gate_up), lw.w_down)
+            h, residual = rms_norm(linear(attn, w_o, scale=s_o), lw.ln2, eps, residual=residual)
+            mlp = linear(linear_swiglu(h, w_gate_up, scale=s_gate_up), w_down, scale=s_down)
             nxt = self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.final_norm
             h, residual = rms_norm(mlp, nxt, eps, residual=residual)
         return h
+
+    @staticmethod
+    def _matrices(lw, int8: bool) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+        """(weight, scale) of a layer's qkv, o, gate|up and down GEMMs: the int8 copies with their row scales, or
+        the model's matrices with no scale."""
+        if int8:
+            return tuple((m.q, m.scale) for m in lw.int8.matrices())
+        return tuple((w, None) for w in lw.tensors())
 
     def prefill(self, embeds: list[torch.Tensor], cache: KVCache, rows: list[int]) -> torch.Tensor:
         """``AsrModel.prefill``: prompts ``embeds[i]`` (L_i, hidden) into cache row ``rows[i]`` from slot 0, packed
@@ -172,10 +222,11 @@ class KernelDecoder:
 
     @staticmethod
     def _linears(prefill: bool, invariant: bool):
-        """(linear, linear_swiglu) for a call: a prefill's GEMMs on cuBLAS (+ the SwiGLU kernel), a decode
-        step's on the skinny GEMV kernels (their batch-invariant dispatchers with ``invariant``)."""
+        """(linear, linear_swiglu) for a call, each ``f(x, w, scale=None)``: a prefill's GEMMs on cuBLAS (+ the
+        SwiGLU kernel), a decode step's on the skinny GEMV kernels (their batch-invariant dispatchers with
+        ``invariant``), which take an int8 ``w`` with its ``scale``."""
         if prefill:
-            return F.linear, lambda x, w: swiglu(F.linear(x, w))
+            return _cublas, _cublas_swiglu
         if invariant:
             return skinny_gemm.linear_invariant, skinny_gemm.linear_swiglu_invariant
         return skinny_gemm.linear, skinny_gemm.linear_swiglu

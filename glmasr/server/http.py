@@ -153,9 +153,14 @@ def protocol_class(header_timeout_s: float) -> type[GuardedH11Protocol]:
 
 
 def uvicorn_config(app, host: str, port: int, limits: HttpLimits, **kwargs):
-    """A ``uvicorn.Config`` serving ``app`` with these limits (the h11 protocol with the header timeout)."""
+    """A ``uvicorn.Config`` serving ``app`` with these limits (the h11 protocol with the header timeout).
+
+    WebSocket compression (permessage-deflate) is declined: realtime sessions send base64 PCM, which deflate
+    shrinks little, and inflating every append costs the one event loop that carries all sessions (about a tenth
+    of its time under load)."""
     import uvicorn
 
+    kwargs.setdefault("ws_per_message_deflate", False)
     return uvicorn.Config(app, host=host, port=port, http=protocol_class(limits.header_timeout_s),
                           timeout_keep_alive=limits.keep_alive_s, limit_concurrency=limits.max_connections,
                           **kwargs)

@@ -18,7 +18,7 @@ Writes $OUT/bench_skinny_gemm.json (or ./bench_skinny_gemm.json) after every sta
    cp.async, MMA and local-memory instructions per kernel.
 
 Usage (from the checkout root): PYTHONUNBUFFERED=1 python -m scripts.bench.bench_skinny_gemm [--sweep] [--sweep-m 1,2,4,8,16] [--budget S]
-       [--workers N] [--quick] [--no-decoder]
+       [--workers N] [--quick] [--no-decoder] [--int8]
        python -m scripts.bench.bench_skinny_gemm --aot-check all
 """
 
@@ -41,6 +41,7 @@ from glmasr_kernels.skinny_gemm import SkinnyConfig
 from scripts.bench.graph_timing import graph_call_us
 
 BF = torch.bfloat16
+INT8 = False  # --int8
 HIDDEN, INTER, VOCAB, LAYERS = 2048, 6144, 59264, 28
 # name -> (W rows, K, swiglu)
 SHAPES = {
@@ -146,10 +147,10 @@ def cublas_call(x, w, out, swiglu, tmp=None):
     return lambda: torch.mm(x, w.t(), out=out)
 
 
-def ours_call(x, w, out, swiglu, cfg=None):
+def ours_call(x, w, out, swiglu, cfg=None, scale=None):
     if swiglu:
-        return lambda: sg.skinny_gemm_swiglu(x, w, out=out, config=cfg)
-    return lambda: sg.skinny_gemm(x, w, out=out, config=cfg)
+        return lambda: sg.skinny_gemm_swiglu(x, w, out=out, config=cfg, scale=scale)
+    return lambda: sg.skinny_gemm(x, w, out=out, config=cfg, scale=scale)
 
 
 # ------------------------------------------------------------------------------------------------ sweep
@@ -258,6 +259,7 @@ def bench_shapes(ms: list[int], names: list[str], peak: float):
     for name in names:
         n, k, swiglu = SHAPES[name]
         ws = weights(n, k)
+        ws8 = [sg.quantize_rows(w) for w in weights(n, k, ROTATE_BYTES * 2)] if INT8 and name != "lm_head" else []
         for m in ms:
             no = n // 2 if swiglu else n
             x = gen(m, k)
@@ -278,11 +280,24 @@ def bench_shapes(ms: list[int], names: list[str], peak: float):
                 RESULT["errors"].append(f"shape {name} M={m} cuBLAS: {e}")
                 log(f"  {name} M={m} cuBLAS: ERROR {e}")
             gbo, gbc = byts / t_o / 1e3, byts / t_c / 1e3
-            RESULT["shapes"].append(dict(shape=name, M=m, N=n, K=k, swiglu=swiglu, ours_us=t_o, cublas_us=t_c,
-                                         ours_GBps=gbo, cublas_GBps=gbc, pct_peak=100 * gbo / peak,
-                                         cublas_pct_peak=100 * gbc / peak, cfg=cfg.short(), bytes=byts))
+            entry = dict(shape=name, M=m, N=n, K=k, swiglu=swiglu, ours_us=t_o, cublas_us=t_c,
+                         ours_GBps=gbo, cublas_GBps=gbc, pct_peak=100 * gbo / peak,
+                         cublas_pct_peak=100 * gbc / peak, cfg=cfg.short(), bytes=byts)
             row = (f"{name:15s} {m:3d} {t_o:8.2f} {t_c:9.2f} {t_c / t_o:7.2f} {gbo:9.0f} {100 * gbo / peak:6.1f} "
                    f"{100 * gbc / peak:8.1f}  {cfg.short()}")
+            if ws8:  # the int8 weights (decode_weights="int8"): int8 W + fp32 scales streamed
+                t_8 = float("nan")
+                try:
+                    t_8 = graph_us([ours_call(x, q, out, swiglu, scale=sc) for q, sc in ws8])
+                except Exception as e:  # noqa: BLE001
+                    RESULT["errors"].append(f"shape {name} M={m} int8: {e}")
+                    log(f"  {name} M={m} int8: ERROR {e}")
+                b8 = n * k + n * 4 + m * k * 2 + m * no * 2
+                gb8 = b8 / t_8 / 1e3
+                entry.update(int8_us=t_8, int8_GBps=gb8, int8_pct_peak=100 * gb8 / peak, int8_bytes=b8,
+                             int8_cfg=sg.kernel_config(m, n, k, swiglu, int8=True).short())
+                row += f"  | int8 {t_8:8.2f} us {100 * gb8 / peak:5.1f} % ({t_o / t_8:4.2f}x)"
+            RESULT["shapes"].append(entry)
             table.append(row)
             log(row)
         del ws
@@ -436,9 +451,14 @@ def main():
     ap.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     ap.add_argument("--quick", action="store_true", help="M in {1, 16} only, fewer shapes")
     ap.add_argument("--no-decoder", action="store_true")
+    ap.add_argument("--int8", action="store_true",
+                    help="per shape also the int8-weight kernel (decode_weights='int8'; not the lm head, which stays "
+                         "bf16), % of copy peak over the int8 bytes")
     ap.add_argument("--aot-check", choices=["defaults", "all"], default=None,
                     help="no GPU needed: compile for sm_90 and report regs/spills/smem/128-bit loads, then exit")
     args = ap.parse_args()
+    global INT8
+    INT8 = args.int8
     if args.aot_check:
         return aot_check(args.aot_check == "all")
     if not torch.cuda.is_available():

@@ -3,13 +3,15 @@
     bash benchmark.sh --only realtime [--realtime-sessions 64,256,512] [--realtime-partial-sessions 32,128]
                       [--realtime-seconds 60]        # as a benchmark.sh section (full-size checkpoint, H200)
     python -m scripts.bench.realtime_load [--model FOLDER] [--device cuda] [--sessions 64,256,512]
-        [--partial-sessions 32,128] [--seconds 60] [--chunk-ms 40] [--procs P] [--json FILE]
+        [--partial-sessions 32,128] [--seconds 60] [--chunk-ms 40] [--procs P] [--audio FILE...] [--json FILE]
 
 Starts ``glmasr serve`` in its own process on a free 127.0.0.1 port (``--max-realtime-sessions`` above the largest
 N), then for each N in ``--sessions`` runs the load generator's realtime mode (``python -m glmasr.server.loadgen
 --realtime``: N sessions streaming espeak-ng speech with pauses at real-time pace, server_vad turns, finals only),
 then each N in ``--partial-sessions`` with partials on (``interim_results``, a draft every ``--partial-hop-ms``),
-and stops the server (SIGTERM: it drains). Per N: p50/p95/p99 from end of speech to ``completed``, the partial
+and stops the server (SIGTERM: it drains). The server decodes ``--tokens-per-s`` (default 3) tokens per second of each
+prompt's audio (``scripts.bench.forced_serve``): random weights never stop on their own, and the default budget
+(32 + 6 per second) is several times what speech gives. Per N: p50/p95/p99 from end of speech to ``completed``, the partial
 update interval, lost/failed turns (must be 0), the server's CPU (its process tree) and GPU use (nvidia-smi); the
 issue's targets on the H200: >= 500 sessions, finals only, p95 <= 300 ms; >= 128 sessions with partials at a 1 s
 hop, p95 interval <= 1.5 s; 0 lost turns. The clients run in ``--procs`` processes (default: one per 128
@@ -33,7 +35,8 @@ def client_procs(sessions: int) -> int:
 def run(folder, device: str = "cuda", sessions=(64, 256, 512), partial_sessions=(32, 128), seconds: float = 60.0,
         chunk_ms: int = 40, partial_hop_ms: int = 1000, procs: int | None = None, max_batch: int | None = None,
         warmup: str = "full", out_dir: Path | None = None, health_timeout_s: float = 600.0,
-        grace: float = 60.0, ramp_s: float | None = None) -> dict:
+        grace: float = 60.0, ramp_s: float | None = None, audio: tuple[str, ...] = (),
+        tokens_per_s: float | None = 3.0, server_flags=()) -> dict:
     """The section: every level's loadgen row, the table, the server's settings and exit status."""
     from glmasr.server import loadgen
     from scripts.bench.serve_load import start_server, stop_server
@@ -42,9 +45,14 @@ def run(folder, device: str = "cuda", sessions=(64, 256, 512), partial_sessions=
     out_dir.mkdir(parents=True, exist_ok=True)
     top = max([*sessions, *partial_sessions, 1])
     extra = ["--max-realtime-sessions", str(top + 8), "--max-connections", str(max(1024, top + 64)),
-             "--warmup", warmup]
-    proc, port, log = start_server(folder, device, max_batch, None, out_dir / "realtime_server.log", extra)
+             "--warmup", warmup, *server_flags]
+    data_parallel = any(f.startswith(("--data-parallel", "--devices")) for f in server_flags)
+    proc, port, log = start_server(folder, None if data_parallel else device, max_batch, None,
+                                   out_dir / "realtime_server.log", extra,
+                                   tokens_per_s=tokens_per_s)
     report = {"seconds_per_level": seconds, "chunk_ms": chunk_ms, "partial_hop_ms": partial_hop_ms,
+              "audio_files": [str(a) for a in audio], "tokens_per_s": tokens_per_s,
+              "server_flags": list(server_flags),
               "max_batch": max_batch, "levels": []}
     try:
         report["server_ready_s"] = round(loadgen.wait_healthy(port, health_timeout_s, lambda: proc.poll() is None), 1)
@@ -58,11 +66,18 @@ def run(folder, device: str = "cuda", sessions=(64, 256, 512), partial_sessions=
                     argv += ["--partials", "--partial-hop-ms", str(partial_hop_ms)]
                 if ramp_s is not None:
                     argv += ["--ramp", str(ramp_s)]
+                if audio:
+                    argv += ["--audio", *map(str, audio)]
+                before = draft_counts(port)
                 rc = loadgen.main(argv)
                 result = json.loads(path.read_text())
                 report.setdefault("audio", result["audio"])
                 row = result["levels"][0]
                 row["loadgen_exit_status"] = rc
+                # what the server did with drafts in this level (a client sees a partial only once two drafts
+                # agree, which random weights never do: the cadence of drafts is the server's side of it)
+                after = draft_counts(port)
+                row["server_drafts"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
                 report["levels"].append(row)
                 print(f"[realtime] {json.dumps(row)}", flush=True)
     finally:
@@ -72,6 +87,19 @@ def run(folder, device: str = "cuda", sessions=(64, 256, 512), partial_sessions=
     report["ok"] = loadgen.realtime_ok(report["levels"])
     print(report["table"], flush=True)
     return report
+
+
+def draft_counts(port: int) -> dict[str, float]:
+    """``glmasr_realtime_drafts_total`` by outcome from the server's /metrics ({} when it cannot be read)."""
+    import re
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    except OSError:
+        return {}
+    return {m[1]: float(m[2]) for m in re.finditer(r'^glmasr_realtime_drafts_total\{outcome="(\w+)"\} (\S+)$', text,
+                                                     re.M)}
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -93,6 +121,13 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", default="full", choices=("full", "request", "none"))
     p.add_argument("--ramp", type=float, default=None,
                    help="seconds over which a level's sessions start (default: the audio's mean turn period)")
+    p.add_argument("--audio", nargs="+", default=(), metavar="FILE",
+                   help="speech the sessions stream (default: espeak-ng speech made by the load generator)")
+    p.add_argument("--tokens-per-s", type=float, default=3.0,
+                   help="every prompt decodes this many tokens per second of audio (random weights never stop on "
+                        "their own; default 3, about what speech gives; 0 = the server's own budgets)")
+    p.add_argument("--server-flag", action="append", default=[], metavar="FLAG",
+                   help="a flag for glmasr serve (repeatable; e.g. --server-flag=--max-batch=128)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for the logs and rows")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -104,7 +139,8 @@ def main(argv=None) -> int:
         folder = args.model
     report = run(folder, args.device, _sizes(args.sessions), _sizes(args.partial_sessions), args.seconds,
                  args.chunk_ms, args.partial_hop_ms, args.procs, args.max_batch, args.warmup, Path(args.out),
-                 ramp_s=args.ramp)
+                 ramp_s=args.ramp, audio=tuple(args.audio), tokens_per_s=args.tokens_per_s or None,
+                 server_flags=tuple(args.server_flag))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1

@@ -26,9 +26,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def start_server(folder, device: str, max_batch: int | None, max_queue: int | None, log_path: Path, extra=()):
+def start_server(folder, device: str, max_batch: int | None, max_queue: int | None, log_path: Path, extra=(),
+                 tokens_per_s: float | None = None):
     """``glmasr serve`` (``python -m glmasr.cli serve``) in its own process on a free 127.0.0.1 port, its output
-    in ``log_path``; ``extra``: more flags. Returns (process, port, log file)."""
+    in ``log_path``; ``extra``: more flags; ``tokens_per_s``: every prompt's budget forced to that many tokens per
+    second of audio (``scripts.bench.forced_serve``). Returns (process, port, log file)."""
     from glmasr.server.loadgen import free_port
 
     port = free_port()
@@ -36,7 +38,10 @@ def start_server(folder, device: str, max_batch: int | None, max_queue: int | No
     log = open(log_path, "w")
     sizes = [*(["--max-batch", str(max_batch)] if max_batch else []),
              *(["--max-queue", str(max_queue)] if max_queue else [])]
-    proc = subprocess.Popen([sys.executable, "-m", "glmasr.cli", "serve", "--model", str(folder), "--device", device,
+    launcher = (["-m", "glmasr.cli", "serve"] if tokens_per_s is None
+                else ["-m", "scripts.bench.forced_serve", "--tokens-per-s", str(tokens_per_s)])
+    where = ["--device", device] if device else []  # None: the flags in extra say (--data-parallel, --devices)
+    proc = subprocess.Popen([sys.executable, *launcher, "--model", str(folder), *where,
                              *sizes, "--port", str(port), "--log-level", "warning", *extra],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     return proc, port, log
