@@ -124,8 +124,9 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_viterbi_torch_equals_numpy(device):
-    """The torch recursion (what the aligner runs on CUDA) against the numpy reference on fresh random batches:
-    the same paths, spans, scores and probabilities, bit for bit (both sum in float64 in the same order). Every
+    """``ctc_viterbi_batch_torch`` (on CUDA the Triton kernel, kernels/ctc_viterbi.py; on the CPU its torch loop)
+    against the numpy reference on fresh random batches: the same paths, spans, scores and probabilities, bit for
+    bit (both sum in float64 in the same order). Every
     third batch has rounded log-posteriors, so ties between staying, stepping and skipping are common and the
     tie order is checked; some utterances have too few frames (no path), some no tokens."""
     rng = np.random.default_rng()
@@ -269,7 +270,12 @@ class BandModel:
         self.device = torch.device("cpu")
         self.dtype = torch.float32
 
-    def encode_states(self, feats):
+    def encode_states(self, feats, frames=None):
+        if frames is not None:  # the interface's contract: each window as if alone at its own length
+            out = torch.zeros(feats.shape[0], (feats.shape[2] + 1) // 2, 128)
+            for j, f in enumerate(frames):
+                out[j, :(f + 1) // 2] = self.encode_states(feats[j:j + 1, :, :f])[0]
+            return out
         if feats.shape[2] % 2:
             feats = torch.cat([feats, feats[:, :, -1:]], dim=2)
         w, m, f = feats.shape
@@ -431,6 +437,35 @@ def test_encode_states_is_the_encoder_before_the_projector(aligned_asr):
     assert part.shape == (1, 389, 64)
     with pytest.raises(ValueError, match="1..3000 frames"):
         model.encode_states(torch.randn(1, 128, 3002))
+
+
+def test_mixed_length_windows_encode_as_if_alone(aligned_asr):
+    """encode_states(features, frames): windows of different lengths in one call, each equal to its own call on
+    exactly its frames (fp32 on the CPU: to 1e-5, the difference of GEMMs of other shapes and a masked softmax);
+    odd and even lengths, one of full length, one of a single frame. Also what the aligner's _encode returns for
+    mixed windows against one window at a time."""
+    from glmasr.audio.features import log_mel_windows
+
+    model = aligned_asr.model
+    rng = np.random.default_rng()
+    frames = [1, 777, int(rng.integers(100, 1500)) * 2, int(rng.integers(100, 1500)) * 2 + 1, 3000]
+    x = torch.from_numpy(rng.standard_normal((len(frames), 480000)).astype(np.float32) * 0.1)
+    feats = log_mel_windows(x)
+    with torch.no_grad():
+        batched = model.encode_states(feats[:, :, :max(frames)], frames)
+        for j, f in enumerate(frames):
+            alone = model.encode_states(feats[j:j + 1, :, :f])[0]
+            torch.testing.assert_close(batched[j, :(f + 1) // 2], alone, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="frames must be one length in 1..3000 per window"):
+        model.encode_states(feats, [3000] * 4)
+    with pytest.raises(ValueError, match="frames must be one length"):
+        model.encode_states(feats, [0, 5, 5, 5, 5])
+    aligner = aligned_asr.aligner
+    windows = [rng.standard_normal(n).astype(np.float32) * 0.1 for n in (16000 * 7 + 37, 480000, 16000 * 3)]
+    with torch.no_grad():
+        together = aligner._encode(windows, model.device)
+        for w, got in zip(windows, together):
+            torch.testing.assert_close(got, aligner._encode([w], model.device)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_fast_model_encode_states_equals_the_reference(tiny_shipped):

@@ -411,7 +411,7 @@ def _cli(argv):
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--decode-weights", "int8", "--devices", "cpu,cpu"], ["--decode-weights int8", "--devices"]),
+    (["--decode-weights", "int8", "--devices", "cpu,cpu"], ["decode_weights='int8' needs CUDA devices (the Triton path), not cpu, cpu"]),
     (["--decode-weights", "int8", "--device", "cpu"], ["decode_weights='int8' needs the Triton path"]),
 ])
 def test_transcribe_cli_decode_weights_refusals(flags, words, tmp_path, tiny_shipped, capsys):
@@ -432,12 +432,37 @@ def test_cli_decode_weights_choices(capsys):
     assert e.value.code == 2 and "--decode-weights" in capsys.readouterr().err
 
 
-def test_serve_int8_needs_one_engine(tiny_shipped, capsys):
+def test_serve_int8_workers_need_cuda(tiny_shipped, capsys):
+    """int8 travels to the data-parallel workers; a CPU worker cannot take it: refused before any process starts."""
     pytest.importorskip("uvicorn")
     rc = _cli(["serve", "--model", str(tiny_shipped), "--decode-weights", "int8", "--data-parallel", "2",
                "--devices", "cpu,cpu"])
     err = capsys.readouterr().err
-    assert rc == 2 and "--decode-weights int8" in err and "--data-parallel" in err, err
+    assert rc == 2 and "decode_weights='int8' needs CUDA devices (the Triton path), not cpu, cpu" in err, err
+
+
+def test_worker_spec_carries_decode_weights(tiny_shipped, monkeypatch):
+    """The pool validates decode_weights and puts it in every worker's spec (what worker_main hands to load);
+    no process is started (spawn is replaced)."""
+    import glmasr.workers.pool as pool_mod
+    from glmasr.workers.requests import DataParallelEngineClient
+
+    with pytest.raises(ValueError, match=r"unknown decode_weights 'fp8'"):
+        DataParallelEngineClient(["cpu"], model=str(tiny_shipped), decode_weights="fp8")
+    specs = {}
+
+    def fake_spawn(ctx, make_spec, device, name):
+        specs[device] = make_spec("cuda:0")
+        raise RuntimeError("not started in this test")
+
+    monkeypatch.setattr(pool_mod, "spawn", fake_spawn)
+    monkeypatch.setattr(pool_mod, "parse_devices", list)  # CUDA names accepted on a machine without a GPU
+    for weights in ("int8", "bf16"):
+        pool = DataParallelEngineClient(["cuda:0", "cuda:1"], model=str(tiny_shipped), decode_weights=weights)
+        for w in pool._workers:
+            with pytest.raises(RuntimeError, match="not started"):
+                pool._spawn(w)
+        assert {d: s.decode_weights for d, s in specs.items()} == {"cuda:0": weights, "cuda:1": weights}
 
 
 def test_agreement_script_runs_on_cpu(tmp_path, tiny_shipped):

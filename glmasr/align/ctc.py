@@ -12,13 +12,16 @@ several utterances in one vectorised pass (numpy over the batch and the states, 
 back-pointers take T x S bytes); ``ctc_viterbi`` is one utterance. Scores accumulate in float64.
 
 ``ctc_viterbi_batch_torch`` is the same recursion on torch tensors, for log-posteriors that already sit on a GPU:
-each frame is a handful of (B, S) operations whatever the batch, so a batch of segments costs about what one
-does, where numpy's per-frame work grows with the batch. Its results equal ``ctc_viterbi_batch``'s (the same
-float64 sums, the same tie order: stay, then one step, then a skip); the numpy function is its reference.
+on CUDA the frame loop and the back-trace are one Triton launch (``glmasr_kernels.ctc_viterbi``, one program per
+utterance, up to its ``MAX_STATES`` states); elsewhere (and beyond that, or without Triton) the loop is a handful
+of (B, S) torch operations per frame whatever the batch, with the back-trace on the host. Its results equal
+``ctc_viterbi_batch``'s (the same float64 sums, the same tie order: stay, then one step, then a skip); the numpy
+function is its reference.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -122,11 +125,18 @@ def ctc_viterbi_batch(items, blank: int) -> list[CtcAlignment | None]:
     return out
 
 
-def ctc_viterbi_batch_torch(items, blank: int) -> list[CtcAlignment | None]:
-    """``ctc_viterbi_batch`` with the frame recursion in torch: ``items`` (log_probs (T_b, C_b) tensors, all on
-    one device, targets) per utterance. Only the back-pointers (B x T x S bytes) and the final scores come back to
-    the host, where the paths are traced back."""
+def ctc_viterbi_batch_torch(items, blank: int, kernel: bool | None = None) -> list[CtcAlignment | None]:
+    """``ctc_viterbi_batch`` with the frame recursion on the items' device: ``items`` (log_probs (T_b, C_b)
+    tensors, all on one device, targets) per utterance.
+
+    ``kernel``: None (default) runs the recursion and the back-trace as one Triton launch
+    (``glmasr_kernels.ctc_viterbi.ctc_viterbi_paths``; only the paths and scores come back to the host) on CUDA
+    when Triton is importable and the longest utterance has at most its ``MAX_STATES`` states, else the torch loop
+    (``ctc_viterbi_paths_ref``: the back-pointers, B x T x S bytes, come back and are traced on the host); True
+    always the kernel (CPU tensors only under TRITON_INTERPRET=1: for tests; ValueError above ``MAX_STATES``);
+    False always the torch loop. All give the same results."""
     import torch
+    from glmasr_kernels.ctc_viterbi import ctc_viterbi_paths_ref
 
     prepared = _prepare(items, blank, lambda x: x if isinstance(x, torch.Tensor) else torch.as_tensor(x))
     out: list[CtcAlignment | None] = [None] * len(prepared)
@@ -150,45 +160,38 @@ def ctc_viterbi_batch_torch(items, blank: int) -> list[CtcAlignment | None]:
         if L[b] > 1:
             skip[b, 3:S[b]:2] = tg[1:] != tg[:-1]
     skip_t = torch.from_numpy(skip).to(dev)
-    neg = torch.tensor(NEG, dtype=f64, device=dev)
-    alpha = torch.full((B, Smax), NEG, dtype=f64, device=dev)
-    alpha[:, 0] = emit[:, 0, 0]
-    if Smax > 1:
-        alpha[:, 1] = torch.where(torch.from_numpy(S > 1).to(dev), emit[:, 0, 1], neg)
-    back = torch.zeros((B, Tmax, Smax), dtype=torch.int8, device=dev)
-    prev1 = torch.full((B, Smax), NEG, dtype=f64, device=dev)
-    prev2 = torch.full((B, Smax), NEG, dtype=f64, device=dev)
-    lengths = torch.from_numpy(T).to(dev)[:, None]
-    one, two = torch.ones((), dtype=torch.int8, device=dev), torch.full((), 2, dtype=torch.int8, device=dev)
-    for t in range(1, Tmax):
-        prev1[:, 1:] = alpha[:, :-1]
-        prev2[:, 2:] = torch.where(skip_t[:, 2:], alpha[:, :-2], neg)
-        # ties go to the lowest choice (stay, then one step), as numpy's argmax over [alpha, prev1, prev2]
-        c1 = prev1 > alpha
-        best = torch.where(c1, prev1, alpha)
-        c2 = prev2 > best
-        best = torch.where(c2, prev2, best)
-        back[:, t] = torch.where(c2, two, torch.where(c1, one, torch.zeros_like(one)))
-        alpha = torch.where(t < lengths, torch.clamp_min(best + emit[:, t], NEG), alpha)
-    alpha_h, back_h = alpha.cpu().numpy(), back.cpu().numpy()
-    rows = np.arange(B)
-    last = S - 1
-    before = np.maximum(last - 1, 0)
-    ends = np.where((S == 1) | (alpha_h[rows, last] >= alpha_h[rows, before]), last, before)
-    scores = alpha_h[rows, ends]
-    # the paths of the whole batch traced back together, one frame at a time
-    paths = np.zeros((B, Tmax), dtype=np.int64)
-    state = ends.copy()
-    for t in range(Tmax - 1, -1, -1):
-        act = t < T
-        paths[act, t] = state[act]
-        state = np.where(act, state - back_h[rows, t, state], state)
+    if kernel is None:
+        paths_fn = _viterbi_paths(dev, Smax) or ctc_viterbi_paths_ref
+    elif kernel:
+        from glmasr_kernels.ctc_viterbi import ctc_viterbi_paths as paths_fn
+    else:
+        paths_fn = ctc_viterbi_paths_ref
+    scores_t, paths_t = paths_fn(emit, skip_t, T, S)
+    scores, paths = scores_t.cpu().numpy(), paths_t.cpu().numpy()
     for b, i in enumerate(live):
         if scores[b] <= NEG / 2:
             continue
         lp, tg = prepared[i]
         out[i] = _spans(paths[b, :T[b]], lp.float().cpu().numpy(), tg, blank, float(scores[b]))
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _import_kernel():
+    try:
+        from glmasr_kernels.ctc_viterbi import MAX_STATES, ctc_viterbi_paths, triton
+    except ImportError:
+        return None
+    return (ctc_viterbi_paths, MAX_STATES) if triton is not None else None
+
+
+def _viterbi_paths(device, states: int):
+    """The Triton recursion and back-trace where they run by default (CUDA, Triton importable, at most
+    MAX_STATES states), else None (the torch loop)."""
+    if device.type != "cuda":
+        return None
+    found = _import_kernel()
+    return found[0] if found is not None and states <= found[1] else None
 
 
 def _spans(path: np.ndarray, log_probs: np.ndarray, targets: np.ndarray, blank: int, score: float) -> CtcAlignment:

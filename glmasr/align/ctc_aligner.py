@@ -10,13 +10,12 @@ Per segment (``AlignSegment``: its samples, start and text), in the caller's thr
    frame or two differ from the log-mel of the bare clip) -> ``model.encode_states`` (the encoder's
    final-normed states before the projector, 50 per second). The head was trained on such unpadded states; the
    engine's own states come from windows zero-padded to 30 s, which shifts them (the head's authors measured a
-   relative L2 of 0.24-0.49 between the two), so they are not reused. Windows of equal length are encoded in one
-   call.
+   relative L2 of 0.24-0.49 between the two), so they are not reused. Windows of any lengths are encoded
+   ``ENCODE_BATCH`` at a time, each masked to its own length (``encode_states(features, frames)``).
 3. Head: log-softmax over the head's classes per window, kept for the segment's tokens and blank, windows
    concatenated in time.
-4. ``ctc.ctc_viterbi_batch`` over all segments at once (on CUDA, from ``DEVICE_VITERBI_MIN_SEGMENTS`` segments,
-   ``ctc_viterbi_batch_torch`` on the device);
-   token i covers frames [a, b): times ``start_s + a * 0.02`` to ``start_s + b * 0.02``; a word spans its
+4. The CTC Viterbi over all segments at once (on CUDA ``ctc.ctc_viterbi_batch_torch``: one Triton launch,
+   ``glmasr_kernels.ctc_viterbi``; on the CPU ``ctc.ctc_viterbi_batch``, numpy); token i covers frames [a, b): times ``start_s + a * 0.02`` to ``start_s + b * 0.02``; a word spans its
    tokens; its probability is the mean posterior over its frames.
 5. ``bias_correction`` (default on; ``aligner.bias_correction = False`` turns it off): the authors measured
    this head's word starts 105 ms late and ends 100 ms early against Montreal Forced Aligner on LibriSpeech
@@ -26,7 +25,7 @@ Per segment (``AlignSegment``: its samples, start and text), in the caller's thr
 
 Cost: one more encoder pass over the audio (unpadded, so a little less than the engine's) plus the head
 (~40 M parameters, ~5 % of the encoder's FLOPs per frame) and the Viterbi (T x 2L states; one pass over the
-frames for the whole batch, in torch on CUDA, numpy on the CPU). Thread-safety:
+frames for the whole batch, one Triton launch on CUDA, numpy on the CPU). Thread-safety:
 any number of threads may call ``align`` while the engine thread runs the model (the modules are read-only in
 inference mode). On CUDA the work runs on the aligner's own stream, so it neither waits for nor is captured into
 the engine's graphs; the two share the GPU.
@@ -58,11 +57,7 @@ from .head import CtcHead, load_head
 from .words import WordPlan, plan_words
 
 DEFAULT_ALIGNER_ID = "JazerJu/glm-asr-ctc"
-ENCODE_BATCH = 8  # windows per encoder call (equal lengths only: padding would change the states)
-# Batches from this many segments up run the Viterbi on the GPU (~10 launches per frame whatever the batch); smaller
-# ones in numpy on the host, whose per-frame work grows with the batch but starts lower (notes/measurements.md,
-# ninth session)
-DEVICE_VITERBI_MIN_SEGMENTS = 4
+ENCODE_BATCH = 8  # windows per encoder call (of mixed lengths: encode_states masks each to its own)
 
 
 class TokenizerOffsets:
@@ -202,8 +197,8 @@ class CtcAligner(Aligner):
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), ctx:
             items = self._log_probs([segments[i] for i in todo], [plans[i] for i in todo])
-            on_device = self.model.device.type == "cuda" and len(items) >= DEVICE_VITERBI_MIN_SEGMENTS
-            if on_device:  # the recursion where the posteriors are: one pass per frame for the whole batch
+            on_device = self.model.device.type == "cuda"
+            if on_device:  # where the posteriors are: one kernel launch for the whole batch
                 alignments = ctc_viterbi_batch_torch(items, blank=0)
         if not on_device:
             alignments = ctc_viterbi_batch([(lp.cpu().numpy(), tg) for lp, tg in items], blank=0)
@@ -240,23 +235,25 @@ class CtcAligner(Aligner):
         return items
 
     def _encode(self, windows: list[np.ndarray], dev) -> list[torch.Tensor]:
-        """Encoder states (T_i, hidden) of each window (at most 30 s each), unpadded; equal lengths batched."""
+        """Encoder states (T_i, hidden) of each window (at most 30 s each), as if unpadded: windows sorted by
+        length, ENCODE_BATCH per call, each call padded to its longest window with the others' own lengths
+        given to ``encode_states`` (``frames``), which computes each as if alone."""
         out: list[torch.Tensor | None] = [None] * len(windows)
-        by_len: dict[int, list[int]] = {}
-        for i, w in enumerate(windows):
-            by_len.setdefault(w.shape[0], []).append(i)
+        order = sorted(range(len(windows)), key=lambda i: windows[i].shape[0])
         n_mels = self.model.cfg.audio.num_mel_bins
-        for n, idx in by_len.items():
-            frames = min(FRAMES_PER_WINDOW, n // HOP_LENGTH)
-            for c in range(0, len(idx), ENCODE_BATCH):
-                chunk = idx[c:c + ENCODE_BATCH]
-                batch = torch.zeros(len(chunk), WINDOW_SAMPLES, dtype=torch.float32)
-                for j, i in enumerate(chunk):
-                    batch[j, :n] = torch.from_numpy(windows[i])
-                feats = log_mel_windows(batch.to(dev), n_mels)[:, :, :frames]
+        for c in range(0, len(order), ENCODE_BATCH):
+            chunk = order[c:c + ENCODE_BATCH]
+            frames = [min(FRAMES_PER_WINDOW, windows[i].shape[0] // HOP_LENGTH) for i in chunk]
+            batch = torch.zeros(len(chunk), WINDOW_SAMPLES, dtype=torch.float32)
+            for j, i in enumerate(chunk):
+                batch[j, :windows[i].shape[0]] = torch.from_numpy(windows[i])
+            feats = log_mel_windows(batch.to(dev), n_mels)[:, :, :max(frames)]
+            if min(frames) == max(frames):
                 states = self.model.encode_states(feats)
-                for j, i in enumerate(chunk):
-                    out[i] = states[j]
+            else:
+                states = self.model.encode_states(feats, frames)
+            for j, i in enumerate(chunk):
+                out[i] = states[j, :(frames[j] + 1) // 2]
         return out
 
     def _words(self, seg: AlignSegment, plan: WordPlan, aln) -> list[Word]:

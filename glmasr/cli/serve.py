@@ -10,7 +10,8 @@ for word times (``verbose_json`` with ``timestamp_granularities[]=word``); witho
 
 ``--decode-weights int8`` (opt-in; default bf16): the decode step streams per-row int8 copies of the decoder's
 matrices (``glmasr.load(..., decode_weights="int8")``: the CUDA Triton path, ~1.35 GB more memory for the full-size
-model, slightly different logits); one engine only, not with ``--data-parallel``.
+model, slightly different logits; decode steps of one or two sequences); with ``--data-parallel`` every worker loads
+them (CUDA devices only).
 
 ``--data-parallel N [--devices cuda:0,cuda:1,...]``: this process is the front end (HTTP, decoding, limits,
 streaming, metrics) and N engine worker processes each own one loaded model (``glmasr.workers.requests``); devices
@@ -57,9 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "allowed, repeats allowed: cuda:0,cuda:0 runs two engines on one GPU)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--decode-weights", choices=("bf16", "int8"), default="bf16",
-                   help="weights the decode step streams (default bf16); int8 (opt-in, CUDA Triton path, one engine: "
-                        "not with --data-parallel): per-row int8 copies of the decoder's matrices, faster decoding "
-                        "for ~1.35 GB more GPU memory, slightly different logits (check WER on your data)")
+                   help="weights the decode step streams (default bf16); int8 (opt-in, CUDA Triton path, every "
+                        "worker with --data-parallel): per-row int8 copies of the decoder's matrices, faster decoding "
+                        "of one or two sequences for ~1.35 GB more GPU memory, slightly different logits (check WER "
+                        "on your data)")
     p.add_argument("--max-batch", type=positive_int, default=None,
                    help="engine sequence slots (default 64 on CUDA, 8 on CPU)")
     p.add_argument("--max-upload-mb", type=positive_float, default=25.0, help="largest upload in MiB (default 25)")
@@ -124,9 +126,6 @@ def main(argv: list[str] | None = None) -> int:
         if data_parallel:
             if args.aligner is not None:
                 raise ValueError("--aligner works with one engine, not with --data-parallel or --devices")
-            if args.decode_weights != "bf16":
-                raise ValueError(f"--decode-weights {args.decode_weights} works with one engine, not with "
-                                 f"--data-parallel or --devices (the worker processes load bf16 decode weights)")
             engine = _data_parallel_client(args, model)
         else:
             aligner = {"aligner": args.aligner} if args.aligner is not None else {}
@@ -200,7 +199,8 @@ def _data_parallel_client(args, model):
         raise ValueError(f"--data-parallel {n} but --devices names {len(devices)} devices ({','.join(devices)})")
     return DataParallelEngineClient(devices, model=model, dtype=args.dtype, max_batch=args.max_batch,
                                     drain_timeout_s=args.drain_timeout,
-                                    worker_timeout_s=args.worker_timeout or None)
+                                    worker_timeout_s=args.worker_timeout or None,
+                                    decode_weights=args.decode_weights)
 
 
 def _server_class():

@@ -56,7 +56,8 @@ retried on another (``--retries``), a file that kills every worker it meets bein
 
 ``--decode-weights int8`` (opt-in; default bf16): the decode step streams per-row int8 copies of the decoder's
 matrices (``glmasr.load(..., decode_weights="int8")``: the CUDA Triton path, ~1.35 GB more memory for the
-full-size model, slightly different logits); one engine only: with ``--devices`` it is an error (exit status 2).
+full-size model, slightly different logits; decode steps of one or two sequences); with ``--devices`` every worker
+loads them (CUDA devices only: a ``cpu`` entry is an error, exit status 2).
 """
 
 from __future__ import annotations
@@ -245,9 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --devices: kill a worker holding one file longer than S seconds (then as a crash)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--decode-weights", choices=("bf16", "int8"), default="bf16",
-                   help="weights the decode step streams (default bf16); int8 (opt-in, CUDA Triton path, one "
-                        "engine: not with --devices): per-row int8 copies of the decoder's matrices, faster "
-                        "decoding for ~1.35 GB more GPU memory, slightly different logits (check WER on your data)")
+                   help="weights the decode step streams (default bf16); int8 (opt-in, CUDA Triton path, every "
+                        "worker with --devices): per-row int8 copies of the decoder's matrices, faster decoding of "
+                        "one or two sequences for ~1.35 GB more GPU memory, slightly different logits (check WER "
+                        "on your data)")
     p.add_argument("--segmentation", choices=("vad", "windows"), default=None,
                    help="vad (the default): speech regions in <= 30 s pieces, each a segment with its own times "
                         "(by default, if the Silero VAD weights are missing: one warning, then windows; asked for "
@@ -420,14 +422,11 @@ class _Run:
                     raise ValueError("give --device or --devices, not both")
                 if args.aligner is not None:
                     raise ValueError("--aligner works with one engine (--device), not with --devices")
-                if args.decode_weights != "bf16":
-                    raise ValueError(f"--decode-weights {args.decode_weights} works with one engine (--device), not "
-                                     f"with --devices (the worker processes load bf16 decode weights)")
                 from ..workers import DevicePool
 
                 self.pool = DevicePool(args.devices, model=pick_model(args.model), dtype=args.dtype,
                                        decode=self.decode, retries=args.retries, file_timeout_s=args.file_timeout,
-                                       **options)
+                                       decode_weights=args.decode_weights, **options)
             else:
                 self.asr = glmasr.load(pick_model(args.model), device=args.device, dtype=args.dtype,
                                        decode_weights=args.decode_weights, **options)

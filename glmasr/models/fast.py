@@ -83,10 +83,10 @@ class FastGlmAsrModel:
             return self.reference.encode_audio(features)
         return self.encoder(features)
 
-    def encode_states(self, features: torch.Tensor) -> torch.Tensor:
+    def encode_states(self, features: torch.Tensor, frames=None) -> torch.Tensor:
         # The reference modules (same weights): any frame count without a kernel compile per length (the
         # attention kernel's T is a compile-time constant); SDPA does the attention.
-        return self.reference.encode_states(features)
+        return self.reference.encode_states(features, frames)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embedding)

@@ -48,14 +48,20 @@ class GlmAsrModel(nn.Module):
         """Log-mel windows (W, n_mels, 3000) -> projected audio embeddings (W, 375, text_hidden)."""
         return self.multi_modal_projector(self.audio_tower(features))
 
-    def encode_states(self, features: torch.Tensor) -> torch.Tensor:
+    def encode_states(self, features: torch.Tensor, frames=None) -> torch.Tensor:
         """Log-mel windows (W, n_mels, F), F <= 3000 -> encoder states before the projector (W, ceil(F / 2),
-        audio_hidden): for aligners."""
+        audio_hidden): for aligners. ``frames`` (W,): window i's own length (<= F); its states are then those of
+        the window alone at that length (the first ceil(frames[i] / 2); the rest mean nothing)."""
         limit = 2 * self.cfg.audio.max_position_embeddings
         if features.ndim != 3 or not 0 < features.shape[2] <= limit:
             raise ValueError(f"features must be (windows, n_mels, frames) with 1..{limit} frames, got "
                              f"{tuple(features.shape)}")
-        return self.audio_tower(features)
+        if frames is not None:
+            frames = torch.as_tensor(frames, dtype=torch.int64)
+            if frames.shape != (features.shape[0],) or not bool(((frames >= 1) & (frames <= features.shape[2])).all()):
+                raise ValueError(f"frames must be one length in 1..{features.shape[2]} per window "
+                                 f"({features.shape[0]}), got {frames.tolist()}")
+        return self.audio_tower(features, frames)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_tokens(ids)

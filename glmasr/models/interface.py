@@ -47,10 +47,12 @@ class AsrModel(Protocol):
         """Log-mel windows (W, n_mels, 3000) -> projected audio embeddings (W, 375, text_hidden)."""
         ...
 
-    def encode_states(self, features: torch.Tensor) -> torch.Tensor:
+    def encode_states(self, features: torch.Tensor, frames=None) -> torch.Tensor:
         """Log-mel windows (W, n_mels, F) of any length F <= 3000 (unpadded audio gives states of exactly that
         audio) -> the audio encoder's final-normed states before the projector, (W, ceil(F / 2), audio_hidden),
-        50 per second, in the model dtype. For aligners (glmasr.align); an eager call, never graph-captured."""
+        50 per second, in the model dtype. ``frames`` (W,): windows of different lengths in one call, window i
+        computed as if alone at frames[i] frames (its first ceil(frames[i] / 2) states; the rest mean nothing).
+        For aligners (glmasr.align); an eager call, never graph-captured."""
         ...
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:

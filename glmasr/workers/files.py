@@ -107,7 +107,7 @@ class DevicePool(WorkerPool):
     def __init__(self, devices, model=None, dtype=None, decode: DecodeOptions | None = None,
                  in_flight: int | None = None, retries: int = 2, file_timeout_s: float | None = None,
                  start_timeout_s: float = 900.0, threads: int | None = None, worker_timeout_s: float | None = None,
-                 _test_hooks: dict | None = None, **engine_options):
+                 _test_hooks: dict | None = None, decode_weights: str = "bf16", **engine_options):
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
         if in_flight is not None and (isinstance(in_flight, bool) or not isinstance(in_flight, int)
@@ -115,7 +115,7 @@ class DevicePool(WorkerPool):
             raise ValueError(f"in_flight must be a positive integer, got {in_flight!r}")
         super().__init__(devices, model, dtype, threads=threads, start_timeout_s=start_timeout_s,
                          worker_timeout_s=worker_timeout_s, drain_timeout_s=30.0, hooks=_test_hooks,
-                         engine_options=engine_options, name="glmasr-worker")
+                         engine_options=engine_options, name="glmasr-worker", decode_weights=decode_weights)
         self.decode = decode or DecodeOptions()
         self.retries = retries
         self.file_timeout_s = file_timeout_s

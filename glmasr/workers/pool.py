@@ -80,11 +80,19 @@ class WorkerPool:
 
     def __init__(self, devices, model=None, dtype=None, threads: int | None = None, start_timeout_s: float = 900.0,
                  worker_timeout_s: float | None = None, drain_timeout_s: float = 30.0, hooks: dict | None = None,
-                 engine_options: dict | None = None, name: str = "glmasr-worker"):
+                 engine_options: dict | None = None, name: str = "glmasr-worker", decode_weights: str = "bf16"):
         from ..options import EngineOptions
         from ..checkpoint.weights import DEFAULT_MODEL_ID, read_config, resolve_checkpoint
+        from ..models.fast_weights import DECODE_WEIGHTS
 
         self.devices = parse_devices(devices)
+        if decode_weights not in DECODE_WEIGHTS:
+            raise ValueError(f"unknown decode_weights {decode_weights!r}: use one of {DECODE_WEIGHTS}")
+        not_cuda = [d for d in self.devices if not d.startswith("cuda")]
+        if decode_weights != "bf16" and not_cuda:  # refused here, not once per worker after a load
+            raise ValueError(f"decode_weights={decode_weights!r} needs CUDA devices (the Triton path), not "
+                             f"{', '.join(not_cuda)}")
+        self.decode_weights = decode_weights
         if worker_timeout_s is not None and not worker_timeout_s > 0:
             raise ValueError(f"worker_timeout_s must be > 0 (or None: no watchdog), got {worker_timeout_s!r}")
         self.engine_options = {k: v for k, v in (engine_options or {}).items() if v is not None}
@@ -191,7 +199,8 @@ class WorkerPool:
     def _spawn(self, w: Worker) -> None:  # with _cv held
         def spec(device):
             return WorkerSpec(slot=w.slot, device=device, model=self.model, dtype=self.dtype,
-                              engine_options=self.engine_options, threads=w.threads, hooks=self._hooks, **self._spec)
+                              engine_options=self.engine_options, threads=w.threads, hooks=self._hooks,
+                              decode_weights=self.decode_weights, **self._spec)
 
         w.process, w.to_child, w.from_child = spawn(self._ctx, spec, w.device, f"{self._name}{w.slot}")
         w.sendq = queue.SimpleQueue()

@@ -92,6 +92,7 @@ class WorkerSpec:
     dtype: str | None
     engine_options: dict
     threads: int
+    decode_weights: str = "bf16"  # glmasr.load's
     warmup: str = "none"  # "full" | "request" | "none" (LocalEngineClient.warmup)
     server: bool = False  # serve through glmasr.server's LocalEngineClient (needs the serve extra)
     hooks: dict = field(default_factory=dict)
@@ -134,7 +135,8 @@ def worker_main(spec: WorkerSpec, inbox, outbox) -> None:
         _install_step_delay(spec.hooks.get("step_delay"))
         torch.set_num_threads(spec.threads)
         audio_mod.AUDIO_THREADS = spec.threads  # decoding/resampling threads of one long file
-        asr = glmasr.load(spec.model, device=spec.device, dtype=spec.dtype, **spec.engine_options)
+        asr = glmasr.load(spec.model, device=spec.device, dtype=spec.dtype, decode_weights=spec.decode_weights,
+                          **spec.engine_options)
         load_ms = 1e3 * (time.perf_counter() - t0)
         if spec.server:
             from .engine_client import LocalEngineClient

@@ -168,11 +168,11 @@ class DataParallelEngineClient(WorkerPool, EngineClient):
 
     def __init__(self, devices, model=None, dtype=None, threads: int | None = None, drain_timeout_s: float = 60.0,
                  start_timeout_s: float = 900.0, worker_timeout_s: float | None = 120.0,
-                 _test_hooks: dict | None = None, **engine_options):
+                 _test_hooks: dict | None = None, decode_weights: str = "bf16", **engine_options):
         super().__init__(devices, model, dtype, threads=threads, start_timeout_s=start_timeout_s,
                          worker_timeout_s=worker_timeout_s, drain_timeout_s=drain_timeout_s,
                          hooks=_TEST_HOOKS if _test_hooks is None else _test_hooks, engine_options=engine_options,
-                         name="glmasr-engine")
+                         name="glmasr-engine", decode_weights=decode_weights)
         self.slots = sum(self.options.resolved("cuda" if d.startswith("cuda") else "cpu").max_batch
                          for d in self.devices)
         self._ids = itertools.count()

@@ -97,6 +97,21 @@ def make_audio() -> tuple[np.ndarray, str]:
     return audio, source
 
 
+def bench_checkpoint(device: str, model=None) -> tuple[bool, Path]:
+    """(on CUDA?, checkpoint folder) for a cost benchmark on ``device``: ``model``, else the full-size random
+    checkpoint on CUDA, the tiny one on the CPU (whose Triton paths then run in the interpreter)."""
+    import torch
+
+    from glmasr.checkpoint.random_weights import ensure_full_size_checkpoint, ensure_tiny_checkpoint
+
+    cuda = device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        sys.exit("--device cuda needs a CUDA GPU")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        os.environ["TRITON_INTERPRET"] = "1"
+    return cuda, Path(model or (ensure_full_size_checkpoint() if cuda else ensure_tiny_checkpoint()))
+
+
 def _sync(device: str) -> None:
     import torch
 
@@ -165,15 +180,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import glmasr
-    from glmasr.checkpoint.random_weights import ensure_full_size_checkpoint, ensure_tiny_checkpoint
 
     device = args.device
-    cuda = device.startswith("cuda")
-    if cuda and not torch.cuda.is_available():
-        sys.exit("--device cuda needs a CUDA GPU")
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        os.environ["TRITON_INTERPRET"] = "1"  # the tiny model's Triton paths run in the interpreter on the CPU
-    folder = args.model or (ensure_full_size_checkpoint() if cuda else ensure_tiny_checkpoint())
+    cuda, folder = bench_checkpoint(device, args.model)
     copies = args.copies or (64 if cuda else 1)
     asr = glmasr.load(folder, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
     if args.audio:

@@ -37,14 +37,13 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from .segments_cost import SENTENCES, SR, _sync, forced_budgets, make_audio
+from .segments_cost import SENTENCES, SR, _sync, bench_checkpoint, forced_budgets, make_audio
 
 WINDOW_S = 30.0
 VOICES = (("en+m3", 20), ("en+f3", 80))
@@ -134,7 +133,8 @@ def aligner_rows(asr, speech: np.ndarray, runs: int, device: str) -> list[dict]:
         # one more call with its stages timed (each synchronised: the sum exceeds the plain call a little)
         timer = StageTimer(device, [(ctc_aligner, "plan_words", "text"), (aligner, "_encode", "encoder"),
                                     (aligner.head, "token_log_probs", "head"),
-                                    (ctc_aligner, "ctc_viterbi_batch", "viterbi"), (aligner, "_words", "words")])
+                                    (ctc_aligner, "ctc_viterbi_batch", "viterbi"),
+                                    (ctc_aligner, "ctc_viterbi_batch_torch", "viterbi"), (aligner, "_words", "words")])
         try:
             aligner.align(segments)
         finally:
@@ -237,17 +237,11 @@ def main(argv=None) -> dict:
     import glmasr
     from glmasr.align.random_head import build_head_for_checkpoint
     from glmasr.audio import load_audio
-    from glmasr.checkpoint.random_weights import ensure_full_size_checkpoint, ensure_tiny_checkpoint
     from glmasr.diarize import weights as diarize_weights
 
     device = args.device
-    cuda = device.startswith("cuda")
-    if cuda and not torch.cuda.is_available():
-        sys.exit("--device cuda needs a CUDA GPU")
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        os.environ["TRITON_INTERPRET"] = "1"
+    cuda, folder = bench_checkpoint(device, args.model)
     minutes = args.hour_minutes or (60.0 if cuda else 10.0)
-    folder = Path(args.model or (ensure_full_size_checkpoint() if cuda else ensure_tiny_checkpoint()))
     head = build_head_for_checkpoint(Path(tempfile.gettempdir()) / f"glmasr-ctc-random-{folder.name}", folder,
                                      size="full" if cuda else "small")
     asr = glmasr.load(folder, device=device, dtype=torch.bfloat16 if cuda else torch.float32, aligner=str(head))
