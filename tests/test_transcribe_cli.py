@@ -452,3 +452,21 @@ def test_hotwords_in_the_instruction():
     assert build_instruction(None, [" GLM ", "Zhipu"]) == f"{DEFAULT_PROMPT}\nHotwords: GLM, Zhipu"
     with pytest.raises(ValueError, match="hotwords"):
         build_instruction("x", ["ok", " "])
+
+
+def test_sigint_guard_check_acts_on_a_lost_interrupt():
+    """A Ctrl-C whose KeyboardInterrupt was swallowed (it landed in a finalizer or a callback) is still acted on:
+    the run's loop calls ``check`` at every wake-up; inside ``deferred`` it waits for the block's end."""
+    from glmasr.cli.transcribe import _SigintGuard
+
+    guard = _SigintGuard()
+    guard.check()  # nothing pending
+    guard.requested = True  # the handler ran, its raise was lost
+    with pytest.raises(KeyboardInterrupt):
+        guard.check()
+    reached = False
+    with pytest.raises(KeyboardInterrupt):
+        with guard.deferred():
+            guard.check()  # deferred: not here
+            reached = True
+    assert reached

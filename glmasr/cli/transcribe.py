@@ -516,7 +516,9 @@ class _Run:
             try:
                 kind, i = events.get(timeout=0.5)
             except queue.Empty:
+                self.guard.check()
                 continue
+            self.guard.check()
             if kind == "loaded":  # to the engine at once (files are read in order, the slow ones hold none back)
                 try:
                     audio, pieces = loading.pop(i).result()
@@ -708,6 +710,13 @@ class _SigintGuard:
             os._exit(EXIT_INTERRUPTED)
         self.requested = True
         if not self._defer:
+            raise KeyboardInterrupt
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if a Ctrl-C came and was not acted on: the handler's own raise can be lost when
+        the signal lands in code that swallows exceptions (a finalizer, a callback); the run's loop calls this
+        at every wake-up."""
+        if self.requested and not self._defer:
             raise KeyboardInterrupt
 
     @contextmanager
