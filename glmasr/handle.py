@@ -48,7 +48,7 @@ from .engine.loop import EngineLoop, check_priority, check_timeout
 from .engine.request import Priority
 from .errors import EngineClosed
 from .engine.model_runner import check_batch_invariance
-from .models.fast_weights import DECODE_WEIGHTS
+from .models.fast_weights import check_decode_weights
 from .models.glmasr import GlmAsrModel
 from .options import DecodeOptions, EngineOptions
 from .pipeline import plan_audio, plan_pieces
@@ -569,8 +569,7 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
     timings: dict[str, float] = {}
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: use one of {BACKENDS}")
-    if decode_weights not in DECODE_WEIGHTS:
-        raise ValueError(f"unknown decode_weights {decode_weights!r}: use one of {DECODE_WEIGHTS}")
+    check_decode_weights(decode_weights)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     options = EngineOptions.from_env(**engine_options)

@@ -2,7 +2,7 @@
 
     bash benchmark.sh [--only latency,decode,encoder,throughput,breakdown,invariant,coldstart,serve,longform,realtime]
                       [--quick] [--realtime-sessions 64,256,512] [--realtime-partial-sessions 32,128]
-                      [--realtime-seconds 60] [--realtime-audio FILE...]
+                      [--realtime-seconds 60] [--realtime-audio FILE...] [--realtime-server-flag=FLAG]
                       [--no-peers] [--no-compiled-peer] [--out DIR]
     (benchmark.sh runs ``python -m scripts.benchmark`` from the checkout root; the helpers are scripts/bench/*)
 

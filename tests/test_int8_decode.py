@@ -268,11 +268,11 @@ def _step(model, cache, x, position, invariant=True):
     ``invariant`` (default): a batch-invariant step, which takes the int8 copies at any row count (a plain step
     of more than ``INT8_MAX_ROWS`` rows takes the bf16 matrices: test_int8_only_for_small_steps)."""
     pos = torch.full((x.shape[0], 1), position, device=DEV, dtype=torch.long)
-    model.batch_invariant = invariant
+    before, model.batch_invariant = model.batch_invariant, invariant
     try:
         hidden = model.decode(x[:, None], pos, cache, kv_len=cache.capacity)[:, 0]
     finally:
-        model.batch_invariant = False
+        model.batch_invariant = before
     return torch.nn.functional.linear(hidden, model.decoder.lm_head).float()
 
 

@@ -15,8 +15,9 @@ Per segment (``AlignSegment``: its samples, start and text), in the caller's thr
 3. Head: log-softmax over the head's classes per window, kept for the segment's tokens and blank, windows
    concatenated in time.
 4. The CTC Viterbi over all segments at once (on CUDA ``ctc.ctc_viterbi_batch_torch``: one Triton launch,
-   ``glmasr_kernels.ctc_viterbi``; on the CPU ``ctc.ctc_viterbi_batch``, numpy); token i covers frames [a, b): times ``start_s + a * 0.02`` to ``start_s + b * 0.02``; a word spans its
-   tokens; its probability is the mean posterior over its frames.
+   ``glmasr_kernels.ctc_viterbi``; on the CPU ``ctc.ctc_viterbi_batch``, numpy); token i covers frames [a, b):
+   times ``start_s + a * 0.02`` to ``start_s + b * 0.02``; a word spans its tokens; its probability is the mean
+   posterior over its frames.
 5. ``bias_correction`` (default on; ``aligner.bias_correction = False`` turns it off): the authors measured
    this head's word starts 105 ms late and ends 100 ms early against Montreal Forced Aligner on LibriSpeech
    (medians; English read speech; their figures, not measured here). Starts are moved 105 ms earlier and ends
@@ -197,11 +198,10 @@ class CtcAligner(Aligner):
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), ctx:
             items = self._log_probs([segments[i] for i in todo], [plans[i] for i in todo])
-            on_device = self.model.device.type == "cuda"
-            if on_device:  # where the posteriors are: one kernel launch for the whole batch
+            if self.model.device.type == "cuda":  # where the posteriors are: one kernel launch for the batch
                 alignments = ctc_viterbi_batch_torch(items, blank=0)
-        if not on_device:
-            alignments = ctc_viterbi_batch([(lp.cpu().numpy(), tg) for lp, tg in items], blank=0)
+            else:
+                alignments = ctc_viterbi_batch([(lp.numpy(), tg) for lp, tg in items], blank=0)
         for i, aln in zip(todo, alignments):
             if aln is not None:
                 out[i] = self._words(segments[i], plans[i], aln)

@@ -31,7 +31,7 @@ from glmasr_kernels._triton_utils import interpreting
 
 from .fast_decoder import KernelDecoder
 from .fast_encoder import KernelEncoder
-from .fast_weights import DECODE_WEIGHTS
+from .fast_weights import check_decode_weights
 from .glmasr import GlmAsrModel
 from ..errors import KernelFallbackWarning
 from .kernel_support import kernel_support
@@ -44,8 +44,7 @@ class FastGlmAsrModel:
     model's matrices) or "int8" (``models/fast_decoder.py``)."""
 
     def __init__(self, reference: GlmAsrModel, decode_weights: str = "bf16"):
-        if decode_weights not in DECODE_WEIGHTS:
-            raise ValueError(f"unknown decode_weights {decode_weights!r}: use one of {DECODE_WEIGHTS}")
+        check_decode_weights(decode_weights)
         if reference.device.type != "cuda" and not interpreting():
             raise ValueError("the Triton model path needs the weights on a CUDA device "
                              "(or TRITON_INTERPRET=1 for CPU testing)")

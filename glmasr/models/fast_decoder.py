@@ -44,7 +44,7 @@ from glmasr_kernels.rmsnorm import rms_norm
 from glmasr_kernels.rope import build_rope_cache, rope_and_append
 
 from .device import host_to_device
-from .fast_weights import DECODE_WEIGHTS, decoder_weights
+from .fast_weights import check_decode_weights, decoder_weights
 from .kv_cache import KVCache
 from .layers import sdpa_backends
 
@@ -80,8 +80,7 @@ class KernelDecoder:
     docstring; "int8" quantizes every layer now and keeps the bf16 matrices too)."""
 
     def __init__(self, reference, decode_weights: str = "bf16"):
-        if decode_weights not in DECODE_WEIGHTS:
-            raise ValueError(f"unknown decode_weights {decode_weights!r}: use one of {DECODE_WEIGHTS}")
+        check_decode_weights(decode_weights)
         dec = reference.language_model
         self.cfg = c = reference.cfg.text
         self.device = reference.device

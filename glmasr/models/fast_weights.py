@@ -25,6 +25,13 @@ from torch import nn
 DECODE_WEIGHTS = ("bf16", "int8")
 
 
+def check_decode_weights(value) -> str:
+    """``value`` when it is one of ``DECODE_WEIGHTS``, else ValueError naming the allowed values."""
+    if value not in DECODE_WEIGHTS:
+        raise ValueError(f"unknown decode_weights {value!r}: use one of {DECODE_WEIGHTS}")
+    return value
+
+
 def _share(linear: nn.Linear, rows: torch.Tensor) -> None:
     """Point a reference Linear's weight at a slice of a fused matrix (no copy)."""
     linear.weight = nn.Parameter(rows, requires_grad=False)

@@ -156,8 +156,7 @@ def uvicorn_config(app, host: str, port: int, limits: HttpLimits, **kwargs):
     """A ``uvicorn.Config`` serving ``app`` with these limits (the h11 protocol with the header timeout).
 
     WebSocket compression (permessage-deflate) is declined: realtime sessions send base64 PCM, which deflate
-    shrinks little, and inflating every append costs the one event loop that carries all sessions (about a tenth
-    of its time under load)."""
+    shrinks little, and inflating every append costs the one event loop that carries all sessions."""
     import uvicorn
 
     kwargs.setdefault("ws_per_message_deflate", False)

@@ -83,11 +83,10 @@ class WorkerPool:
                  engine_options: dict | None = None, name: str = "glmasr-worker", decode_weights: str = "bf16"):
         from ..options import EngineOptions
         from ..checkpoint.weights import DEFAULT_MODEL_ID, read_config, resolve_checkpoint
-        from ..models.fast_weights import DECODE_WEIGHTS
+        from ..models.fast_weights import check_decode_weights
 
         self.devices = parse_devices(devices)
-        if decode_weights not in DECODE_WEIGHTS:
-            raise ValueError(f"unknown decode_weights {decode_weights!r}: use one of {DECODE_WEIGHTS}")
+        check_decode_weights(decode_weights)
         not_cuda = [d for d in self.devices if not d.startswith("cuda")]
         if decode_weights != "bf16" and not_cuda:  # refused here, not once per worker after a load
             raise ValueError(f"decode_weights={decode_weights!r} needs CUDA devices (the Triton path), not "

@@ -8,12 +8,12 @@ A random-weight model almost never emits EOS, so each prompt decodes its whole d
 writes ~3 tokens per second of English speech). The offline benchmarks force ~3 tokens per second
 (``segments_cost.forced_budgets``); this does the same for a server process, live finals and drafts included, so
 that a load test on random weights decodes what real speech would. Nothing of the product changes: the budget
-function of ``glmasr.pipeline`` is replaced in this process before ``glmasr.cli.serve.main`` runs.
+function of ``glmasr.pipeline`` is replaced in this process (``segments_cost.forced_budgets``) before
+``glmasr.cli.serve.main`` runs.
 """
 
 from __future__ import annotations
 
-import math
 import sys
 
 
@@ -21,10 +21,11 @@ def main(argv: list[str]) -> int:
     rate = 3.0
     if argv[:1] == ["--tokens-per-s"]:
         rate, argv = float(argv[1]), argv[2:]
-    from glmasr import pipeline
     from glmasr.cli.serve import main as serve
 
-    pipeline.default_max_new_tokens = lambda seconds: max(1, math.ceil(rate * seconds))
+    from .segments_cost import forced_budgets
+
+    forced_budgets(rate)  # for the life of this process
     return serve(argv)
 
 

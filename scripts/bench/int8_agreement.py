@@ -79,11 +79,11 @@ def _step(model, cache, embeds, position: int):
     import torch
 
     pos = torch.full((embeds.shape[0], 1), position, device=embeds.device, dtype=torch.long)
-    model.batch_invariant = True
+    before, model.batch_invariant = model.batch_invariant, True
     try:
         return model.logits(model.decode(embeds[:, None], pos, cache, kv_len=cache.capacity)[:, 0])
     finally:
-        model.batch_invariant = False
+        model.batch_invariant = before
 
 
 def random_case(bf16, int8, rows: int, steps: int, plen: int, seed: int = 0) -> dict:
@@ -140,7 +140,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=None, help="decode steps per case (default 64 on cuda, 3 on cpu)")
-    ap.add_argument("--rows", type=int, default=None, help="sequences of the random case (default 16 on cuda, 2 on cpu)")
+    ap.add_argument("--rows", type=int, default=None,
+                    help="sequences of the random case (default 16 on cuda, 2 on cpu)")
     ap.add_argument("--model", default=None, help="checkpoint folder (default: the random one for the device)")
     ap.add_argument("--json", default=None, help="write the report here")
     args = ap.parse_args(argv)

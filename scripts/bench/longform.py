@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .segments_cost import forced_budgets
+
 ROOT = Path(__file__).resolve().parents[2]
 SPEECH = ROOT / "assets" / "speech_en.flac"
 TOKENS_PER_SPEECH_S = 3.0
@@ -117,15 +119,6 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def forced_budgets():
-    """Each prompt decodes ceil(3 x its seconds) tokens: pipeline.default_max_new_tokens replaced for the run."""
-    from glmasr import pipeline
-
-    original = pipeline.default_max_new_tokens
-    pipeline.default_max_new_tokens = lambda seconds: max(1, math.ceil(TOKENS_PER_SPEECH_S * seconds))
-    return lambda: setattr(pipeline, "default_max_new_tokens", original)
-
-
 def end_to_end(asr, path: Path, mode: str, out_dir: Path) -> dict:
     """transcribe(path) + SRT written: the user's path, timed as one."""
     import glmasr
@@ -173,7 +166,7 @@ def run(asr, minutes: float = 60.0, modes=("vad", "windows"), out_dir: Path | No
     path = recording(minutes)
     out_dir = Path(out_dir or tempfile.mkdtemp(prefix="glmasr-longform-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    restore = forced_budgets()
+    restore = forced_budgets(TOKENS_PER_SPEECH_S)
     try:
         import glmasr
 

@@ -9,10 +9,11 @@ Starts ``glmasr serve`` in its own process on a free 127.0.0.1 port (``--max-rea
 N), then for each N in ``--sessions`` runs the load generator's realtime mode (``python -m glmasr.server.loadgen
 --realtime``: N sessions streaming espeak-ng speech with pauses at real-time pace, server_vad turns, finals only),
 then each N in ``--partial-sessions`` with partials on (``interim_results``, a draft every ``--partial-hop-ms``),
-and stops the server (SIGTERM: it drains). The server decodes ``--tokens-per-s`` (default 3) tokens per second of each
-prompt's audio (``scripts.bench.forced_serve``): random weights never stop on their own, and the default budget
-(32 + 6 per second) is several times what speech gives. Per N: p50/p95/p99 from end of speech to ``completed``, the partial
-update interval, lost/failed turns (must be 0), the server's CPU (its process tree) and GPU use (nvidia-smi); the
+and stops the server (SIGTERM: it drains). The server decodes ``--tokens-per-s`` (default 3) tokens per second
+of each prompt's audio (``scripts.bench.forced_serve``): random weights never stop on their own, and the default
+budget (32 + 6 per second) is several times what speech gives. Per N: p50/p95/p99 from end of speech to
+``completed``, the partial update interval, the drafts the server sent, skipped and aborted (from its /metrics),
+lost/failed turns (must be 0), the server's CPU (its process tree) and GPU use (nvidia-smi); the
 issue's targets on the H200: >= 500 sessions, finals only, p95 <= 300 ms; >= 128 sessions with partials at a 1 s
 hop, p95 interval <= 1.5 s; 0 lost turns. The clients run in ``--procs`` processes (default: one per 128
 sessions, at most 8), so that the client's own interpreter does not become the bottleneck; each row's

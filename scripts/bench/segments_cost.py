@@ -119,12 +119,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def forced_budgets():
-    """Each prompt decodes ceil(3 x its seconds) tokens; returns the undo."""
+def forced_budgets(rate: float = TOKENS_PER_S):
+    """Each prompt decodes ceil(rate x its seconds) tokens (at least 1): ``pipeline.default_max_new_tokens``
+    replaced in this process; returns the undo."""
     from glmasr import pipeline
 
     original = pipeline.default_max_new_tokens
-    pipeline.default_max_new_tokens = lambda seconds: max(1, math.ceil(TOKENS_PER_S * seconds))
+    pipeline.default_max_new_tokens = lambda seconds: max(1, math.ceil(rate * seconds))
     return lambda: setattr(pipeline, "default_max_new_tokens", original)
 
 
