@@ -34,7 +34,7 @@ import dataclasses
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -58,6 +58,11 @@ from .transcript import TranscriptAssembler
 from .checkpoint.weights import DEFAULT_MODEL_ID, load_state_dict, read_config, resolve_checkpoint
 
 BACKENDS = ("auto", "torch", "triton")
+WARMUPS = (False, True, "background")
+# The KV lengths and prompt lengths a warm-up captures graphs for (every batch bucket at each KV length): a
+# server's usual range; longer ones are captured when first used.
+WARMUP_KV_LENS = (256, 512, 1024)
+WARMUP_PREFILL_LENGTHS = (64, 128, 256, 512, 1024)
 # diarizations run at once per handle: one keeps a CPU's cores for the engine and gives each its full device time;
 # the others wait in its queue (each started at submit, so the first overlaps its own transcription)
 DIARIZE_WORKERS = 1
@@ -88,6 +93,7 @@ class GlmAsr:
         self._loop: EngineLoop | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self.background_warmup: Future | None = None  # warmup_in_background's, while or after it runs
         self._close_hooks: list = []  # fn(handle), called once by close() (the api's shared-model cache)
         # DecodeOptions.diarize: glmasr.diarize.Diarizer, its thread and (CUDA) stream, built on first use
         self._diarize_lock = threading.Lock()
@@ -203,16 +209,23 @@ class GlmAsr:
         for hook in hooks:
             hook(self)
 
-    def prime(self):
-        """Compile the kernels and capture the graphs of the one-clip path (encoder bucket 1, the 64-position
-        prefill, the batch-1 decode step) on the engine thread; returns the future. ``load`` does this on CUDA
-        (and waits for it), so the first request finds them ready, and they overlap the frontend's NVRTC build,
-        which goes on in its background thread."""
-        return self.loop.call(lambda eng: eng.warmup(batch_sizes=(1,), kv_lens=(256,), prefill_lengths=(64,),
-                                                     encoder_windows=(1,), compile_ahead=False))
+    def prime(self) -> dict:
+        """Make the one-clip path ready: compile its kernels and capture its graphs on the engine thread (encoder
+        bucket 1, the 64- and 128-position prefills: clips up to ~5 s, the batch-1 decode step), then run one
+        short request end to end (the frontend's first launch and the eager glue around the graphs). ``load``
+        does this on CUDA, so the first request finds it all ready; the graphs' part overlaps the frontend's
+        NVRTC build, which goes on in its background thread. Returns ms per stage."""
+        import numpy as np
 
-    def warmup(self, batch_sizes=None, kv_lens=(256, 512, 1024), prefill_lengths=(64, 128, 256, 512, 1024)
-               ) -> dict:
+        timings = self.loop.call(lambda eng: eng.warmup(batch_sizes=(1,), kv_lens=(256,), prefill_lengths=(64, 128),
+                                                        encoder_windows=(1,), compile_ahead=False)).result()
+        t0 = time.perf_counter()
+        noise = (np.random.default_rng(0).standard_normal(32000) * 0.1).astype(np.float32)
+        self.submit(noise, DecodeOptions(max_new_tokens=2, ignore_eos=True), sampling_rate=16000).result()
+        timings["first_request_ms"] = 1e3 * (time.perf_counter() - t0)
+        return timings
+
+    def warmup(self, batch_sizes=None, kv_lens=WARMUP_KV_LENS, prefill_lengths=WARMUP_PREFILL_LENGTHS) -> dict:
         """Compile every kernel and capture the CUDA graphs a server needs before it answers: one short request
         end to end (frontend, encoder, prefill, decode), then the decode graphs for ``batch_sizes`` (default:
         every batch bucket up to max_batch) x ``kv_lens`` and the prefill graphs for ``prefill_lengths``.
@@ -229,6 +242,21 @@ class GlmAsr:
             batch_sizes=batch_sizes, kv_lens=kv_lens, prefill_lengths=prefill_lengths)).result())
         timings["total_ms"] = 1e3 * (time.perf_counter() - t0)
         return timings
+
+    def warmup_in_background(self, batch_sizes=None, kv_lens=WARMUP_KV_LENS,
+                             prefill_lengths=WARMUP_PREFILL_LENGTHS) -> Future:
+        """``warmup``'s graph captures, one at a time on the engine thread whenever it has nothing else to do, so
+        requests go first and wait for at most one capture (~0.1 s; seconds where a capture meets a cold Triton
+        cache: ``glmasr compile`` fills it ahead). Returns at once; the future's result is ms per stage once
+        every capture has run (a failed one is logged, listed under "errors", and left to the first request that
+        needs it). ``load(warmup="background")`` calls this after the one-clip path is ready."""
+        if batch_sizes is None:
+            batch_sizes = self.engine.runner.buckets
+        units = self.loop.call(lambda eng: eng.warmup_units(
+            batch_sizes=batch_sizes, kv_lens=kv_lens, prefill_lengths=prefill_lengths)).result()
+        fut = self.loop.run_when_idle([(stage, lambda eng, unit=unit: unit()) for stage, unit in units])
+        self.background_warmup = fut
+        return fut
 
     # ---- speakers ----
     def _diarization(self):
@@ -550,12 +578,15 @@ class TranscriptionJob:
 
 
 def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, backend: str = "auto",
-         warmup: bool = False, aligner=None, decode_weights: str = "bf16", **engine_options) -> GlmAsr:
+         warmup: bool | str = False, aligner=None, decode_weights: str = "bf16", **engine_options) -> GlmAsr:
     """Load a GLM-ASR checkpoint (local folder or hub id) onto ``device`` (default: CUDA if present) in
     ``dtype`` (default: bf16 on CUDA, fp32 on CPU). ``backend``: "torch" (plain-PyTorch reference path),
     "triton" (Triton kernels + fused weight cache, CUDA only) or "auto" (triton on CUDA, torch on CPU).
     ``engine_options``: fields of ``EngineOptions`` (max_batch, encoder_chunk, ...), over ``GLMASR_*``
-    variables. ``warmup=True`` compiles the kernels and captures the graphs now (``GlmAsr.warmup``).
+    variables. ``warmup``: False (default): on CUDA the one-clip path (encoder bucket 1, the 64-position
+    prefill, the batch-1 decode step) is made ready before ``load`` returns, other graphs when first used;
+    True: every kernel and graph now (``GlmAsr.warmup``, what a server does before it answers); "background":
+    the one-clip path now, the rest on the engine thread while it is idle (``GlmAsr.warmup_in_background``).
     ``aligner``: word times for ``DecodeOptions(word_timestamps=True)``: a glm-asr-ctc head folder or hub id
     (``glmasr.align.CtcAligner``, loaded and checked before the model's weights), or an ``glmasr.align.Aligner``
     instance; None: no word times. ``decode_weights``: "bf16" (default) or "int8", opt-in: the decode step's
@@ -570,6 +601,8 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: use one of {BACKENDS}")
     check_decode_weights(decode_weights)
+    if not (isinstance(warmup, bool) or warmup == "background"):
+        raise ValueError(f"warmup must be one of {WARMUPS}, got {warmup!r}")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     options = EngineOptions.from_env(**engine_options)
@@ -597,9 +630,15 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
         if dev.type == "cuda":
             import glmasr_kernels.logmel  # noqa: F401
     tokenizer = _Background("tokenizer_ms", PromptBuilder.from_folder, folder, cfg.audio_token_id)
-    frontend_build = None
+    frontend_build = gemv_build = triton_setup = None
     if fast and dev.type == "cuda":
+        from .models.fast_decoder import prebuild_cuda_gemv
+
+        from glmasr_kernels._triton_utils import prepare_runtime
+
         frontend_build = _Background("frontend_build_ms", _prepare_frontend, cfg, dev)
+        gemv_build = _Background("gemv_build_ms", prebuild_cuda_gemv, dev)
+        triton_setup = _Background("triton_setup_ms", prepare_runtime, dev)
     t = time.perf_counter()
     with torch.device("meta"):
         net = GlmAsrModel(cfg)
@@ -627,13 +666,17 @@ def load(model: str | os.PathLike = DEFAULT_MODEL_ID, device=None, dtype=None, b
         aligner.bind(net)
     timings["total_ms"] = 1e3 * (time.perf_counter() - t_start)
     asr = GlmAsr(cfg, net, prompts, folder, frontend, options, timings, aligner)
-    if warmup:
+    for build in (gemv_build, triton_setup):  # before the first kernel launches
+        if build is not None:
+            build.result(timings)
+    if warmup is True:
         timings.update({f"warmup_{k}": v for k, v in asr.warmup().items()})
     elif dev.type == "cuda" and fast:
-        # synchronously: a capture on the engine thread while the caller runs CUDA work (its RNG, say) can fail
         t = time.perf_counter()
-        asr.prime().result()
+        asr.prime()
         timings["prime_ms"] = 1e3 * (time.perf_counter() - t)
+        if warmup == "background":
+            asr.warmup_in_background()
     return asr
 
 

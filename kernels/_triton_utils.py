@@ -133,6 +133,25 @@ def pdl_enabled(device: torch.device | None) -> bool:
     return on and _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 
 
+def prepare_runtime(device: torch.device) -> None:
+    """Triton's once-per-process set-up, which its first kernel launch would otherwise pay: the hash of its own
+    sources and library (``triton_key``, ~0.3-0.6 s), the ptxas version and the default options' hash (the
+    backend part of every cache key). ``glmasr.load`` runs this in a background thread while the weights load, so
+    the first kernels only read their cubins from the cache."""
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler.compiler import make_backend
+        from triton.runtime.cache import triton_key
+
+        triton_key()
+        major, minor = torch.cuda.get_device_capability(device)
+        backend = make_backend(GPUTarget("cuda", 10 * major + minor, 32))
+        backend.hash()
+        backend.parse_options({}).hash()
+    except Exception:  # only a head start: the first launch does all of this itself
+        pass
+
+
 def pdl_launch(device: torch.device | None) -> dict:
     """Launch kwargs and the kernel's PDL constexpr: ``kernel[grid](..., **pdl_launch(x.device))``."""
     return {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}

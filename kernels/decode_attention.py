@@ -53,15 +53,24 @@ def decode_attention_ref(q, k_cache, v_cache, lengths, max_len=None, cache_rows=
     return torch.einsum("bhl,bhld->bhd", p, v).to(q.dtype)
 
 
+# Fewest positions per split program and most splits (see choose_num_splits). Batch-1 decode step on the H200
+# (notes/measurements.md, tenth session), ms at context 64 / 512 / 2048 / 8184: 256 positions 1.128 / 1.252 /
+# 1.233 / 1.287, 64 positions 1.123 / 1.120 / 1.183 / 1.308 (66 splits at 8184: the combine grows); at most 32
+# splits keeps 8184 at 256 positions per program.
+MIN_CHUNK = 64
+MAX_SPLITS = 32
+
+
 def choose_num_splits(batch: int, n_kv_heads: int, max_len: int, n_sms: int, block_n: int = 64,
-                      min_chunk: int = 256) -> int:
+                      min_chunk: int | None = None) -> int:
     """Split count for the (batch, kv head) programs. Measured on the H200 (notes/triton_kernels.md):
     one pass is best once batch*Hk >= #SMs (64x4096: 1 split 122.8 us vs 3 splits 130 us); below that, ~2
     programs per SM (8x4096: 8 splits; 1x8192: 32-128 splits all ~8.7 us), each chunk >= min_chunk positions."""
     ctas = batch * n_kv_heads
     if ctas >= n_sms:
         return 1
-    max_splits = max(1, cdiv(max_len, max(min_chunk, block_n)))
+    min_chunk = MIN_CHUNK if min_chunk is None else min_chunk
+    max_splits = max(1, min(MAX_SPLITS, cdiv(max_len, max(min_chunk, block_n))))
     return max(1, min(max_splits, cdiv(2 * n_sms, ctas)))
 
 

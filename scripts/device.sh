@@ -28,6 +28,12 @@
 #                          bench_skinny_gemm --quick --int8 --no-decoder (every GEMV's % of copy peak, bf16 and int8)
 # realtime [ARGS]          bash benchmark.sh --only realtime --no-peers --out OUT/realtime ARGS (~555), the sessions
 #                          streaming .bench_audio/realtime_speech.flac when carried
+# gemv [ARGS]              tests first when ALL_TESTS_ARGS is set (${ALL_TESTS_S:-200}), then bench_cuda_gemv ARGS
+#                          (default --quick): the CUDA decode GEMVs against the Triton ones, per shape and chained
+# record [BENCH-ARGS]      scripts/record_kernels (every Triton specialization the product uses, into
+#                          kernels/manifests/sm90.json, copied to OUT; 200), then bash benchmark.sh --out OUT/bench
+#                          BENCH-ARGS with the rest (e.g. --only coldstart,firstcall --no-peers: `glmasr compile`
+#                          then builds from the manifest just recorded)
 # all [BENCH-ARGS]         tests (${ALL_TESTS_S:-200}, prewarm included; ALL_TESTS_ARGS="FILES -k ..." replaces the
 #                          selection), then bash benchmark.sh BENCH-ARGS with the rest (~345)
 #
@@ -47,7 +53,7 @@ DEADLINE=${DEVICE_DEADLINE_S:-580}
 RESERVE=25      # timeout's kill grace (15 s) + the summary
 MIN_STEP=30     # a step with less time than this is skipped
 DRY=${DEVICE_DRY_RUN:-0}
-MODES="tests bench coldstart kernels logits sweep trace logmel cost int8 realtime all"
+MODES="tests bench coldstart kernels logits sweep trace logmel cost int8 realtime gemv record all"
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 case " $MODES " in
@@ -186,6 +192,15 @@ case $MODE in
         [ -f .bench_audio/realtime_speech.flac ] && rt=(--realtime-audio .bench_audio/realtime_speech.flac)
         FILTER=$BENCH_FILTER step realtime 600 realtime.log bash benchmark.sh --only realtime --no-peers \
             --out "$OUT/realtime" "${rt[@]}" "$@" ;;
+    gemv)
+        # shellcheck disable=SC2086 # ALL_TESTS_ARGS: pytest arguments (files, -k), split on spaces
+        [ -z "${ALL_TESTS_ARGS:-}" ] || run_tests "${ALL_TESTS_S:-200}" ${ALL_TESTS_ARGS}
+        [ $# -gt 0 ] || set -- --quick
+        step bench_cuda_gemv 600 bench_cuda_gemv.log python3 -m scripts.bench.bench_cuda_gemv --out "$OUT" "$@" ;;
+    record)
+        step record 200 record.log python3 -m scripts.record_kernels --out kernels/manifests/sm90.json
+        [ "$DRY" = 1 ] || cp kernels/manifests/sm90.json "$OUT/sm90.json"
+        FILTER=$BENCH_FILTER step bench 600 bench.log bash benchmark.sh --out "$OUT/bench" "$@" ;;
     all)
         # shellcheck disable=SC2086 # ALL_TESTS_ARGS: pytest arguments (files, -k), split on spaces
         run_tests "${ALL_TESTS_S:-200}" ${ALL_TESTS_ARGS:-}

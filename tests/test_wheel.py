@@ -80,7 +80,8 @@ def test_wheel_contents(wheel):
     assert {"glmasr/live/session.py", "glmasr/server/realtime/routes.py", "glmasr/server/static/index.html",
             "glmasr/server/static/app.js"} <= names
     assert {"glmasr_kernels/__init__.py", "glmasr_kernels/logmel/__init__.py", "glmasr_kernels/logmel/logmel.cu",
-            "glmasr_kernels/logmel/mel_filters.py"} <= names
+            "glmasr_kernels/logmel/mel_filters.py", "glmasr_kernels/cuda_gemv.cu", "glmasr_kernels/aot.py",
+            "glmasr_kernels/manifests/sm90.json", "glmasr/cli/compile.py"} <= names
     cu = {f"glmasr_kernels/logmel/{p.name}" for p in (REPO / "kernels" / "logmel").glob("*.cu*")}
     assert cu <= names, cu - names
     tops = {n.split("/")[0] for n in names if "/" in n and not n.split("/")[0].endswith(".dist-info")}

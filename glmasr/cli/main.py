@@ -1,6 +1,7 @@
 """Command line: ``glmasr AUDIO...`` (installed console command) and ``python demo.py``; ``glmasr serve ...``
 starts the OpenAI-compatible server (``glmasr.cli.serve``), ``glmasr transcribe FILES_OR_DIRS...`` writes
-transcripts and subtitles (``glmasr.cli.transcribe``). A file named ``serve`` or ``transcribe`` is ``./serve``.
+transcripts and subtitles (``glmasr.cli.transcribe``), ``glmasr compile`` builds the kernels' compile caches ahead
+(``glmasr.cli.compile``). A file named ``serve``, ``transcribe`` or ``compile`` is ``./serve`` etc.
 ``glmasr --help`` lists the commands; ``glmasr serve`` without the ``serve`` extra exits with status 2 and names
 ``pip install 'glmasr[serve]'``."""
 
@@ -19,7 +20,9 @@ _COMMANDS = """commands:
   glmasr transcribe FILES_OR_DIRS ...    write txt/srt/vtt/tsv/json files for files and folders
                                          (glmasr transcribe --help)
   glmasr serve [options]                 OpenAI-compatible server (needs: pip install 'glmasr[serve]';
-                                         glmasr serve --help)"""
+                                         glmasr serve --help)
+  glmasr compile [--arch 90] [options]   compile the GPU kernels ahead into the local caches, no GPU needed
+                                         (needs the cuda extra; glmasr compile --help)"""
 
 
 def _serve(args: list[str]) -> int:
@@ -43,8 +46,13 @@ def main(argv: list[str] | None = None) -> int:
         from .transcribe import main as transcribe_files
 
         return transcribe_files(args[1:])
+    if args and args[0] == "compile":
+        from .compile import main as compile_kernels
+
+        return compile_kernels(args[1:])
     parser = argparse.ArgumentParser(
-        prog="glmasr", usage="glmasr [AUDIO ...] [options]  |  glmasr transcribe ...  |  glmasr serve ...",
+        prog="glmasr",
+        usage="glmasr [AUDIO ...] [options]  |  glmasr transcribe ...  |  glmasr serve ...  |  glmasr compile ...",
         description="Transcribe speech with GLM-ASR-Nano-2512.\n\n" + _COMMANDS,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("audio", nargs="*",

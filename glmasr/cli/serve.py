@@ -16,6 +16,11 @@ them (CUDA devices only).
 ``--data-parallel N [--devices cuda:0,cuda:1,...]``: this process is the front end (HTTP, decoding, limits,
 streaming, metrics) and N engine worker processes each own one loaded model (``glmasr.workers.requests``); devices
 default to cuda:0..N-1 (``cpu`` entries work too; an entry may repeat). SIGTERM then drains the workers too.
+
+``--frontends K`` (K > 1): this process supervises K front-end processes (HTTP and /v1/realtime, each its own
+uvicorn on the same port through SO_REUSEPORT) over engine processes of their own (one on ``--device``, or one per
+``--devices`` entry with ``--data-parallel N``) that batch every front-end's requests together
+(``glmasr.server.frontends``: limits, metrics, restarts, drain). K = 1 (the default) is the single process above.
 """
 
 from __future__ import annotations
@@ -27,7 +32,6 @@ import sys
 from .common import non_negative_float, pick_model, port, positive_float, positive_int
 
 
-SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval for the server process (see main)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--data-parallel", type=int, default=None, metavar="N",
                    help="N engine worker processes, one model each (one per GPU), behind this front end")
+    p.add_argument("--frontends", type=positive_int, default=1, metavar="K",
+                   help="K front-end processes (HTTP + realtime WebSocket, one uvicorn each on the same port via "
+                        "SO_REUSEPORT) over engine process(es) of their own, which batch every front-end's "
+                        "requests (default 1: one process). --max-queue and --max-realtime-sessions stay global "
+                        "(counted over all front-ends); --max-connections and --max-uploads are split evenly "
+                        "(each >= K); /metrics sums every front-end; a dead front-end or engine process is "
+                        "restarted. Not with --aligner")
     p.add_argument("--worker-timeout", type=non_negative_float, default=120.0, metavar="S",
                    help="with --data-parallel: a worker whose engine makes no step for S seconds while it holds "
                         "requests is killed (its requests get a 503) and restarted (default 120; 0 = never)")
@@ -112,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn  # noqa: F401 - the serve extra is installed (else the message below)
 
         from ..server.app import MIB, ServerConfig, create_app, served_names
-        from ..server.http import HttpLimits, uvicorn_config
+        from ..server.http import SWITCH_INTERVAL_S, HttpLimits, log_config, make_server, uvicorn_config
         from ..server.realtime.routes import RealtimeLimits
     except ImportError as e:
         print(f"error: the server needs the serve extra (pip install 'glmasr[serve]'): {e}", file=sys.stderr)
@@ -121,9 +132,14 @@ def main(argv: list[str] | None = None) -> int:
 
     api_key = args.api_key if args.api_key is not None else (os.environ.get("GLMASR_API_KEY") or None)
     data_parallel = args.data_parallel is not None or args.devices is not None
+    frontends = args.frontends > 1
     try:
         model = pick_model(args.model)
-        if data_parallel:
+        if frontends:
+            if args.aligner is not None:
+                raise ValueError("--aligner works with one engine in the serving process, not with --frontends")
+            engine = _engine_host(args, model)
+        elif data_parallel:
             if args.aligner is not None:
                 raise ValueError("--aligner works with one engine, not with --data-parallel or --devices")
             engine = _data_parallel_client(args, model)
@@ -145,9 +161,16 @@ def main(argv: list[str] | None = None) -> int:
                                                       max_session_s=args.realtime_max_session_s,
                                                       idle_timeout_s=args.realtime_idle_timeout_s,
                                                       max_buffer_s=args.realtime_max_buffer_s))
+        if frontends:
+            from ..server.frontends import Supervisor
+
+            supervisor = Supervisor(engine, config, args.frontends, args.host, args.port, args.warmup,
+                                    args.drain_timeout, log_level=args.log_level)
     except (glmasr.CheckpointError, glmasr.ConfigError, glmasr.TokenizerError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if frontends:
+        return supervisor.run()
     where = (f"{len(engine.devices)} engine workers ({','.join(engine.devices)})" if data_parallel
              else str(engine.device))
     print(f"serving {engine.folder} on {where} as {', '.join(config.served_names)} at "
@@ -159,34 +182,18 @@ def main(argv: list[str] | None = None) -> int:
         if data_parallel:
             engine.stop_restarts()
 
-    # One interpreter runs the event loop (every session's appends), the VAD workers and the engine thread. A
-    # thread that comes back from C code which released the GIL (a CUDA wait, soxr, zlib, epoll) waits for the
-    # holder to reach the switch interval; Python's 5 ms default then adds milliseconds to every engine step and
-    # every append under load, so the server switches at 0.5 ms.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    server = _Server(uvicorn_config(app, args.host, args.port, limits, log_level=args.log_level,
-                                    log_config=_log_config(args.log_level),
-                                    timeout_graceful_shutdown=args.drain_timeout, lifespan="on",
-                                    ws_max_size=config.realtime.ws_max_size), on_exit=on_exit)
+    server = make_server(uvicorn_config(app, args.host, args.port, limits, log_level=args.log_level,
+                                        log_config=log_config(args.log_level),
+                                        timeout_graceful_shutdown=args.drain_timeout, lifespan="on",
+                                        ws_max_size=config.realtime.ws_max_size), on_exit=on_exit)
     server.run()
     return 0 if server.started or server.should_exit else 1
 
 
-def _log_config(level: str) -> dict:
-    """uvicorn's logging set-up, with the server's own logger (``glmasr``: one line per event, e.g. a client gone
-    mid-upload, a refused request head) on the same handler and level."""
-    import copy
-
-    from uvicorn.config import LOGGING_CONFIG
-
-    config = copy.deepcopy(LOGGING_CONFIG)
-    config["loggers"]["glmasr"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
-    return config
-
-
-def _data_parallel_client(args, model):
+def _devices(args) -> list[str]:
+    """The engine processes' devices from --data-parallel / --devices (checked)."""
     from ..workers import parse_devices
-    from ..workers.requests import DataParallelEngineClient
 
     if args.device is not None:
         raise ValueError("--device names the one engine's device; with --data-parallel give the workers' "
@@ -197,34 +204,30 @@ def _data_parallel_client(args, model):
     devices = parse_devices(args.devices if args.devices is not None else [f"cuda:{i}" for i in range(n)])
     if n is not None and len(devices) != n:
         raise ValueError(f"--data-parallel {n} but --devices names {len(devices)} devices ({','.join(devices)})")
+    return devices
+
+
+def _engine_host(args, model):
+    """--frontends K: the engine processes the supervisor runs (one on --device, or --data-parallel's)."""
+    from ..models.device import resolve_device
+    from ..workers.attached import EngineHost
+    from ..workers.requests import _TEST_HOOKS
+
+    if args.data_parallel is not None or args.devices is not None:
+        devices = _devices(args)
+    else:
+        dev = resolve_device(args.device)
+        devices = [f"cuda:{dev.index or 0}" if dev.type == "cuda" else "cpu"]
+    return EngineHost(devices, model=model, dtype=args.dtype, max_batch=args.max_batch,
+                      drain_timeout_s=args.drain_timeout, worker_timeout_s=args.worker_timeout or None,
+                      hooks=_TEST_HOOKS, decode_weights=args.decode_weights)
+
+
+def _data_parallel_client(args, model):
+    from ..workers.requests import DataParallelEngineClient
+
+    devices = _devices(args)
     return DataParallelEngineClient(devices, model=model, dtype=args.dtype, max_batch=args.max_batch,
                                     drain_timeout_s=args.drain_timeout,
                                     worker_timeout_s=args.worker_timeout or None,
                                     decode_weights=args.decode_weights)
-
-
-def _server_class():
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn's server, except that a SIGTERM/SIGINT that led to a graceful shutdown is not re-raised at the
-        end (uvicorn re-raises it, so the process would die of the signal): the drained server exits with 0.
-        ``on_exit``: called at the signal (the engine workers stop being restarted)."""
-
-        on_exit = None
-
-        def handle_exit(self, sig, frame):
-            if self.on_exit is not None:
-                self.on_exit()
-            super().handle_exit(sig, frame)
-            captured = getattr(self, "_captured_signals", None)
-            if isinstance(captured, list):
-                captured.clear()
-
-    return Server
-
-
-def _Server(config, on_exit=None):
-    server = _server_class()(config)
-    server.on_exit = on_exit
-    return server

@@ -428,8 +428,9 @@ class _Run:
                                        decode=self.decode, retries=args.retries, file_timeout_s=args.file_timeout,
                                        decode_weights=args.decode_weights, **options)
             else:
+                # the one-clip path now, the other graphs while the engine waits between files
                 self.asr = glmasr.load(pick_model(args.model), device=args.device, dtype=args.dtype,
-                                       decode_weights=args.decode_weights, **options)
+                                       decode_weights=args.decode_weights, warmup="background", **options)
         except (glmasr.CheckpointError, glmasr.ConfigError, glmasr.TokenizerError,
                 glmasr.errors.DiarizationUnavailableError, ValueError, TypeError) as e:
             self.progress.close()

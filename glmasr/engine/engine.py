@@ -220,6 +220,10 @@ class Engine:
             raise RuntimeError("warmup() needs an idle engine")
         return self.runner.warmup(**kwargs)
 
+    def warmup_units(self, **kwargs) -> list:
+        """``warmup``'s captures one unit at a time (``ModelRunner.warmup_units``), for ``EngineLoop.run_when_idle``."""
+        return self.runner.warmup_units(**kwargs)
+
     def generate(self, requests: list[GenerationRequest], ignore_eos: bool = False) -> list[GenerationResult]:
         """Decode prompts that are already embedded, all at once (each request is one sequence)."""
         ids = [self.add_request(prompt_embeds=[r.prompt_embeds], max_new_tokens=[r.max_new_tokens],

@@ -8,9 +8,13 @@ submit requests to it and iterate their streams.
     stream.close()                                     # or loop.abort(stream.request_id): frees its slots
     stream = loop.submit(plans, deadline=time.monotonic() + 5, timeout_s=5)   # the engine enforces it
     stream.set_timeout(2.0)                            # a deadline from now (an earlier one stays)
+    loop.call(fn)                                      # fn(engine) on the loop's thread once it is idle: a Future
+    loop.run_when_idle(units)                          # background work, one unit at a time between requests
 
 The loop sleeps while there is nothing to do. Each iteration takes the new requests and aborts, then runs one
-``Engine.step`` and hands each output to its request's stream. A request the engine refuses (``add_request``
+``Engine.step`` and hands each output to its request's stream. Background work (``run_when_idle``: the
+warm-up's graph captures) runs one unit at a time, only when nothing else is pending, so a request that arrives
+meanwhile waits for at most one unit. A request the engine refuses (``add_request``
 raises) fails alone, with that error, on its stream. An error inside a step (a device fault) fails every request
 in the engine with an ``EngineError`` carrying the cause, and the engine is reset so that later requests run.
 Between rounds the loop aborts the requests past their deadline (``Engine.expire``), queued or running; their
@@ -66,6 +70,9 @@ def priority_name(priority: int) -> str:
 
 
 log = logging.getLogger("glmasr.engine")
+
+# How long the loop must have been idle before it runs a unit of background work (run_when_idle).
+IDLE_GRACE_S = 0.05
 
 _END = object()
 
@@ -203,6 +210,7 @@ class EngineLoop:
         self._deadlines: dict[int, tuple[float, float | None]] = {}  # set after submission, for the next round
         self._streams: dict[int, RequestStream] = {}
         self._calls: deque = deque()  # (fn, Future): run on this thread once the engine is idle
+        self._idle: deque = deque()  # [units, Future, results]: background work (run_when_idle)
         self._ids = itertools.count()
         self._closed = False
         self._closed_reason = "the engine loop is shut down"
@@ -261,6 +269,55 @@ class EngineLoop:
             self._cv.notify()
         return fut
 
+    def run_when_idle(self, units) -> Future:
+        """Run each ``fn(engine)`` of ``units`` (a list of (name, fn) pairs) on the engine's thread, one at a time,
+        whenever nothing else is pending (no request, call, abort or deadline), in order. The future's result,
+        once every unit has run, is {name: total ms}; a unit that raises is logged and skipped (what it would
+        have prepared is then done on demand) and its error is listed under "errors". Closing the loop drops the
+        units not yet run (the future then holds what ran, with "dropped": their count)."""
+        fut: Future = Future()
+        units = list(units)
+        with self._cv:
+            if self._closed:
+                raise EngineClosed(self._closed_reason)
+            if not units:
+                fut.set_result({})
+                return fut
+            self._idle.append([deque(units), fut, {}])
+            self._cv.notify()
+        return fut
+
+    def _next_idle_unit(self):
+        """(fn, work) of the next background unit, or None; under self._cv, engine idle."""
+        while self._idle:
+            work = self._idle[0]
+            if work[0]:
+                return work[0].popleft(), work
+            self._idle.popleft()
+            work[1].set_result(work[2])
+        return None
+
+    def _drop_idle_work(self) -> None:
+        """The loop is closing: background units not yet run are dropped; each future gets what ran."""
+        work, self._idle = self._idle, deque()
+        for units, fut, results in work:
+            if units:
+                results["dropped"] = len(units)
+            fut.set_result(results)
+
+    @staticmethod
+    def _run_idle_unit(engine, unit, work) -> None:
+        name, fn = unit
+        t0 = time.perf_counter()
+        try:
+            fn(engine)
+        except Exception as e:  # background preparation only: the request that needs it prepares it itself
+            log.warning("background warm-up step %s failed (%s: %s); it is left to the first request that needs it",
+                        name, type(e).__name__, e)
+            work[2].setdefault("errors", []).append(f"{name}: {type(e).__name__}: {e}")
+        ms = work[2].get(f"{name}_ms", 0.0)
+        work[2][f"{name}_ms"] = ms + 1e3 * (time.perf_counter() - t0)
+
     @property
     def num_pending(self) -> int:
         """Requests submitted and not yet finished (queued or running)."""
@@ -282,14 +339,42 @@ class EngineLoop:
         device = engine.model.device
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        busy_until = time.monotonic()  # when the loop last had something else to do than background work
+        was_busy = False
         while True:
+            idle_unit = None
+            if was_busy:
+                busy_until, was_busy = time.monotonic(), False
             with self._cv:
-                while (not self._inbox and not self._aborts and not self._calls and not self._deadlines
-                       and not engine.has_unfinished() and not self._closed):
-                    self._cv.wait()
-                if self._closed and not self._inbox and not self._calls and not engine.has_unfinished():
+                while not (self._inbox or self._aborts or self._calls or self._deadlines or engine.has_unfinished()
+                           or self._closed):
+                    if not self._idle:
+                        self._cv.wait()
+                        continue
+                    # background work starts once the loop has been idle a moment: a caller's next request,
+                    # submitted right after the last one ended, goes first
+                    wait = busy_until + IDLE_GRACE_S - time.monotonic()
+                    if wait <= 0:
+                        idle_unit = self._next_idle_unit()
+                        if idle_unit is not None:
+                            break
+                    else:
+                        self._cv.wait(wait)
+                if idle_unit is None and self._closed and not self._inbox and not self._calls \
+                        and not engine.has_unfinished():
+                    self._drop_idle_work()
                     self.engine = None  # streams outlive the loop: they must not keep the model alive
                     return
+            if idle_unit is not None:
+                unit, work = idle_unit
+                self._run_idle_unit(engine, unit, work)
+                with self._cv:
+                    if not work[0] and self._idle and self._idle[0] is work:  # its last unit: settle it now
+                        self._idle.popleft()
+                        work[1].set_result(work[2])
+                continue
+            was_busy = True
+            with self._cv:
                 call = self._calls.popleft() if self._calls and not engine.has_unfinished() else None
                 inbox, aborts, deadlines = deque(), set(), {}
                 if call is None:  # (aborts and requests that came meanwhile wait for the next iteration)
@@ -360,6 +445,7 @@ class EngineLoop:
             streams, self._streams = self._streams, {}
             calls, self._calls = self._calls, deque()
             self._inbox.clear()
+            self._drop_idle_work()
         for rid, stream in streams.items():
             err = EngineError(f"request {rid}: {self._closed_reason}")
             err.__cause__ = error

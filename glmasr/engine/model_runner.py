@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import time
 
 import torch
@@ -465,25 +466,51 @@ class ModelRunner:
             self.compile_kernels(batch_sizes, kv_lens, prefill_lengths, encoder_windows)
             torch.cuda.synchronize(self.device)
             timings["kernel_compiles_ms"] = 1e3 * (time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        # features need not be real: only the kernels and graphs are wanted here
+        for stage in ("encoder_graphs", "prefill_graphs", "decode_graphs"):
+            timings[f"{stage}_ms"] = 0.0
+        for stage, unit in self.warmup_units(batch_sizes, kv_lens, prefill_lengths, encoder_windows):
+            t0 = time.perf_counter()
+            unit()
+            torch.cuda.synchronize(self.device)
+            timings[f"{stage}_ms"] += 1e3 * (time.perf_counter() - t0)
+        return timings
+
+    def warmup_units(self, batch_sizes=None, kv_lens=None, prefill_lengths=None, encoder_windows=None
+                     ) -> list[tuple[str, functools.partial]]:
+        """``warmup``'s captures as (stage, unit) pairs in its order, each unit one graph (or an encoder bucket's
+        eager pass), skipping at run time what exists by then: the engine loop runs them one at a time while it
+        is idle (``EngineLoop.run_when_idle``), so a request waits for at most one capture. Each unit needs an
+        idle engine (it writes slot 0's cache row); none where graphs are off."""
+        if not self.use_graphs:
+            return []
+        units = []
         for w in self.encoder_buckets if encoder_windows is None else encoder_windows:
-            self.encode_audio(torch.zeros(w, self.cfg.audio.num_mel_bins, 3000, device=self.device))
-        torch.cuda.synchronize(self.device)
-        timings["encoder_graphs_ms"] = 1e3 * (time.perf_counter() - t0)
-        t0 = time.perf_counter()
+            units.append(("encoder_graphs", functools.partial(self._warm_encoder, w)))
         for bkt in sorted({bucket(n, PREFILL_BUCKETS) for n in (prefill_lengths or ())}):
-            if bkt <= self.capacity and self.prefill_graphs and bkt not in self._prefill_graphs:
-                # writes only slot 0's cache row and the graph's own buffers, no slot state
-                dummy = torch.zeros(1, self.cfg.text.hidden_size, device=self.device, dtype=self.model.dtype)
-                self._graphed_prefill(bkt, dummy.expand(bkt, -1), bkt, 0)
-        torch.cuda.synchronize(self.device)
-        timings["prefill_graphs_ms"] = 1e3 * (time.perf_counter() - t0)
-        t0 = time.perf_counter()
+            units.append(("prefill_graphs", functools.partial(self._warm_prefill, bkt)))
         for b in sorted({bucket(n, self.buckets) for n in (batch_sizes or (1,))}):
             for kv in sorted({kv_bucket(n, self.capacity) for n in (kv_lens or (MIN_KV_BUCKET,))}):
-                if (b, kv) not in self.graphs:
-                    self._capture_decode(b, kv)
-        torch.cuda.synchronize(self.device)
-        timings["decode_graphs_ms"] = 1e3 * (time.perf_counter() - t0)
-        return timings
+                units.append(("decode_graphs", functools.partial(self._warm_decode, b, kv)))
+        return units
+
+    @torch.inference_mode()
+    def _warm_encoder(self, windows: int) -> None:
+        self._use_mode()
+        # features need not be real: only the kernels and graphs are wanted here
+        self.encode_audio(torch.zeros(windows, self.cfg.audio.num_mel_bins, 3000, device=self.device))
+
+    @torch.inference_mode()
+    def _warm_prefill(self, bkt: int) -> None:
+        if bkt <= self.capacity and self.prefill_graphs and bkt not in self._prefill_graphs:
+            self._use_mode()
+            # writes only slot 0's cache row and the graph's own buffers, no slot state
+            dummy = torch.zeros(1, self.cfg.text.hidden_size, device=self.device, dtype=self.model.dtype)
+            self._graphed_prefill(bkt, dummy.expand(bkt, -1), bkt, 0)
+
+    @torch.inference_mode()
+    def _warm_decode(self, b: int, kv: int) -> None:
+        # the capacity may have changed since the plan was made (a long request grew the cache): a bucket past
+        # it is not needed, one below it is captured for the cache of now
+        if kv <= self.capacity and (b, kv) not in self.graphs:
+            self._use_mode()
+            self._capture_decode(b, kv)

@@ -33,10 +33,12 @@ error and top-1 agreement against bf16 can be measured without labelled speech
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
-from glmasr_kernels import skinny_gemm
+from glmasr_kernels import cuda_gemv, skinny_gemm
 from glmasr_kernels._triton_utils import interpreting
 from glmasr_kernels.activations import swiglu
 from glmasr_kernels.decode_attention import decode_attention
@@ -53,6 +55,56 @@ from .layers import sdpa_backends
 # conversion in registers costs more than its bytes save (notes/measurements.md, ninth session). Batch-invariant
 # steps use the int8 copies at every row count, so a row's numerics never depend on the batch.
 INT8_MAX_ROWS = 2
+
+# Decode GEMV shapes (W rows, K, rows of x, SwiGLU) that run on the CUDA GEMV (kernels/cuda_gemv.py) instead of
+# the Triton skinny kernel: those where it measured faster on the H200 (notes/measurements.md, tenth session: at one
+# row qkv, o_proj and down_proj 1.1-1.6x, gate|up + SwiGLU equal; 28 layers chained 0.748 vs 0.898 ms; the lm head
+# equal, left on Triton). The same four with the int8 decode weights (chained 0.532 vs 0.651 ms).
+CUDA_GEMV_SHAPES: frozenset[tuple[int, int, int, bool]] = frozenset({
+    (3072, 2048, 1, False), (2048, 2048, 1, False), (12288, 2048, 1, True), (2048, 6144, 1, False)})
+CUDA_GEMV_INT8_SHAPES: frozenset[tuple[int, int, int, bool]] = CUDA_GEMV_SHAPES
+
+
+def _cuda_gemv_takes(x: torch.Tensor, w: torch.Tensor, scale, swiglu: bool) -> bool:
+    if x.device.type != "cuda":
+        return False
+    table = CUDA_GEMV_INT8_SHAPES if scale is not None else CUDA_GEMV_SHAPES
+    if not table or w.dtype != (torch.int8 if scale is not None else torch.bfloat16):
+        return False
+    m = x.numel() // x.shape[-1]
+    return (w.shape[0], w.shape[1], m, swiglu) in table and cuda_gemv.is_available(x.device)
+
+
+def prebuild_cuda_gemv(device: torch.device) -> int:
+    """Compile (or find in the disk cache) the CUDA GEMV cubins of ``CUDA_GEMV_SHAPES`` for ``device`` (NVRTC, well
+    under a second each): ``load`` runs this in a background thread while the weights stream in, so the first
+    decode step finds them built. Returns how many there are (0 where the CUDA GEMV cannot run)."""
+    global CUDA_GEMV_SHAPES, CUDA_GEMV_INT8_SHAPES
+    if not (CUDA_GEMV_SHAPES or CUDA_GEMV_INT8_SHAPES) or not cuda_gemv.is_available(device):
+        return 0
+    major, minor = torch.cuda.get_device_capability(device)
+    configs = [cuda_gemv.select(n, k, swiglu, m) for n, k, m, swiglu in sorted(CUDA_GEMV_SHAPES)]
+    configs += [cuda_gemv.select(n, k, swiglu, m, int8=True) for n, k, m, swiglu in sorted(CUDA_GEMV_INT8_SHAPES)]
+    try:
+        return len(cuda_gemv.prebuild([c for c in configs if c is not None], sm=10 * major + minor))
+    except Exception as e:  # an NVRTC that cannot build them: the Triton GEMVs take every shape
+        logging.getLogger("glmasr").warning("the CUDA decode GEMVs could not be built (%s: %s); the Triton ones "
+                                            "run instead", type(e).__name__, e)
+        CUDA_GEMV_SHAPES = CUDA_GEMV_INT8_SHAPES = frozenset()
+        return 0
+
+
+def _decode_linear(x: torch.Tensor, w: torch.Tensor, scale=None) -> torch.Tensor:
+    """A decode step's GEMM: the CUDA GEMV where ``CUDA_GEMV_SHAPES`` lists the shape, else ``skinny_gemm``."""
+    if _cuda_gemv_takes(x, w, scale, False):
+        return cuda_gemv.gemv(x, w, scale=scale)
+    return skinny_gemm.linear(x, w, scale=scale)
+
+
+def _decode_linear_swiglu(x: torch.Tensor, w: torch.Tensor, scale=None) -> torch.Tensor:
+    if _cuda_gemv_takes(x, w, scale, True):
+        return cuda_gemv.gemv_swiglu(x, w, scale=scale)
+    return skinny_gemm.linear_swiglu(x, w, scale=scale)
 
 
 def flash_varlen_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -228,7 +280,7 @@ class KernelDecoder:
             return _cublas, _cublas_swiglu
         if invariant:
             return skinny_gemm.linear_invariant, skinny_gemm.linear_swiglu_invariant
-        return skinny_gemm.linear, skinny_gemm.linear_swiglu
+        return _decode_linear, _decode_linear_swiglu
 
     def logits(self, hidden: torch.Tensor, upcast: bool, invariant: bool) -> torch.Tensor:
         """lm head; fp32 unless ``upcast=False`` (the model dtype: the engine's greedy_commit reads it as is and

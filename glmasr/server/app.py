@@ -50,7 +50,7 @@ from ..workers.engine_client import WARMUPS, EngineClient, LocalEngineClient
 from .http import FramingGuard, HttpLimits
 from .metrics import Metrics
 from .protocol import APIError
-from .realtime.routes import RealtimeLimits, RealtimeService, add_realtime_route
+from .realtime.routes import RealtimeLimits, RealtimeService, add_realtime_route, live_limit
 from .routes import ServerContext, add_routes, error_response, internal_error
 from .serving import TranscriptionService, admission, upload_slots
 from .uploads import MIB
@@ -119,23 +119,31 @@ class ServerState:
         self.warmup_ms: dict = {}
         self.draining = asyncio.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.frontend = None  # frontends.Frontend: this app is one of several front-end processes
 
 
-def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
+def create_app(asr, config: ServerConfig | None = None, frontend=None) -> FastAPI:
     """``asr``: a loaded ``GlmAsr`` (served by its in-process engine) or an ``EngineClient``. The returned app is
     wrapped in ``http.FramingGuard``; ``app.state.begin_drain()`` starts a drain (``glmasr serve`` calls it on
-    SIGTERM)."""
+    SIGTERM). ``frontend``: a ``frontends.Frontend`` when this app is one of several front-end processes
+    (``glmasr serve --frontends K``): ``max_queue`` and the realtime session limit are then counted over every
+    front-end, the metrics summed over them, and each answer says which front-end gave it
+    (``X-Glmasr-Frontend``)."""
     config = config or ServerConfig()
     engine = asr if isinstance(asr, EngineClient) else LocalEngineClient(asr)
     names = config.served_names or served_names(engine)
     max_queue = config.max_queue or 4 * engine.slots
     state = ServerState()
+    state.frontend = frontend
     metrics = Metrics(engine_pending=lambda: engine.num_pending,
-                      workers=engine.workers if engine.workers() is not None else None)
-    admitted = admission(max_queue, metrics)
+                      workers=engine.workers if engine.workers() is not None else None,
+                      multiprocess_dir=frontend.metrics_dir if frontend is not None else None,
+                      frontend=frontend.index if frontend is not None else None)
+    admitted = admission(max_queue, metrics) if frontend is None else frontend.admission(max_queue, metrics)
     uploads = upload_slots(config.limits.max_uploads)
     service = TranscriptionService(engine, metrics, config.max_audio_s, config.request_timeout_s)
-    live = RealtimeService(engine, config.realtime, metrics, state)
+    live = RealtimeService(engine, config.realtime, metrics, state,
+                           sessions=frontend.sessions(live_limit(config.realtime, engine)) if frontend else None)
 
     def warm() -> None:
         t = time.perf_counter()
@@ -164,6 +172,8 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
                 log.error("warm-up failed: %s", state.warmup_error)
 
         task = asyncio.create_task(warm_up())
+        if frontend is not None and frontend.warm_first:
+            await task  # a restarted front-end: it listens (uvicorn waits for this) once it can serve
         try:
             yield
         finally:
@@ -211,6 +221,8 @@ def create_app(asr, config: ServerConfig | None = None) -> FastAPI:
     app.state.realtime = live
     add_page(app)
     app.add_middleware(FramingGuard)
+    if frontend is not None:
+        app.add_middleware(frontend.header_middleware())
     return app
 
 

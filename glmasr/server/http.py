@@ -163,3 +163,55 @@ def uvicorn_config(app, host: str, port: int, limits: HttpLimits, **kwargs):
     return uvicorn.Config(app, host=host, port=port, http=protocol_class(limits.header_timeout_s),
                           timeout_keep_alive=limits.keep_alive_s, limit_concurrency=limits.max_connections,
                           **kwargs)
+
+
+# sys.setswitchinterval of a server process. One interpreter runs the event loop (every session's appends), the VAD
+# workers and the engine thread. A thread that comes back from C code which released the GIL (a CUDA wait, soxr,
+# zlib, epoll) waits for the holder to reach the switch interval; Python's 5 ms default then adds milliseconds to
+# every engine step and every append under load, so the server switches at 0.5 ms.
+SWITCH_INTERVAL_S = 0.0005
+
+
+def log_config(level: str) -> dict:
+    """uvicorn's logging set-up, with the server's own logger (``glmasr``: one line per event, e.g. a client gone
+    mid-upload, a refused request head) on the same handler and level."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["glmasr"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return config
+
+
+def _server_class():
+    import signal
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that a SIGTERM/SIGINT that led to a graceful shutdown is not re-raised at the
+        end (uvicorn re-raises it, so the process would die of the signal): the drained server exits with 0.
+        ``on_exit``: called at the signal (the engine workers stop being restarted)."""
+
+        on_exit = None
+        ignore_sigint = False  # a front-end of --frontends: Ctrl-C reaches the process group; the supervisor decides
+
+        def handle_exit(self, sig, frame):
+            if self.ignore_sigint and sig == signal.SIGINT:
+                return
+            if self.on_exit is not None:
+                self.on_exit()
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+    return Server
+
+
+def make_server(config, on_exit=None, ignore_sigint: bool = False):
+    server = _server_class()(config)
+    server.on_exit = on_exit
+    server.ignore_sigint = ignore_sigint
+    return server

@@ -29,6 +29,19 @@ With engine worker processes (``--data-parallel``), per worker, labels ``worker`
 
 The aggregate series above stay (``glmasr_engine_pending_requests`` is the sum of the workers' in-flight).
 
+With several front-end processes (``glmasr serve --frontends K``, ``frontends.py``) a scrape reaches one
+front-end, and sees every front-end's series summed (prometheus_client's multiprocess mode: each front-end writes
+its values to files in the supervisor's private folder, the scraped one adds them up; the gauges
+``glmasr_queue_depth`` and ``glmasr_realtime_active_sessions`` sum the live front-ends, the counters and
+histograms keep what a front-end that died had counted). ``glmasr_engine_pending_requests`` is the engine
+processes' own count (every front-end's requests). The ``glmasr_worker_*`` series are the scraped front-end's view
+of the engine processes: up, and the requests it routed and saw fail (in_flight: its own; restarts: the times its
+connection to that engine was re-established). One more series says how the load is spread:
+
+| metric | kind | meaning |
+|---|---|---|
+| glmasr_frontend_requests_total{frontend,kind} | counter | transcription requests (kind "transcription") and realtime sessions ("realtime") that reached front-end ``frontend`` (0..K-1) |
+
 Live transcription (``GET /v1/realtime``, ``glmasr.server.realtime``); a turn is one committed piece of audio (one
 final engine request); "end of turn" is when its last sample arrived (turn detection) or the client's commit:
 
@@ -70,8 +83,15 @@ def outcome_for(status: int) -> str:
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine_pending=lambda: 0, workers=None):
+    def __init__(self, engine_pending=lambda: 0, workers=None, multiprocess_dir: str | None = None,
+                 frontend: int | None = None):
+        """``multiprocess_dir`` (with ``frontend``, this front-end's index): render every front-end's series summed
+        (the process must have been started with ``PROMETHEUS_MULTIPROC_DIR`` set to that folder)."""
         self.registry = r = CollectorRegistry()
+        self._multiprocess_dir = multiprocess_dir
+        # series computed at each scrape (not summed over the front-ends): apart in multiprocess mode
+        local = CollectorRegistry() if multiprocess_dir is not None else r
+        self._local = local
         self.requests = Counter("glmasr_requests", "Finished transcription requests by outcome", ["outcome"],
                                 registry=r)
         for o in OUTCOMES:
@@ -80,10 +100,15 @@ class Metrics:
         self.prompt_tokens = Counter("glmasr_prompt_tokens", "Prompt positions (audio + text) prefilled",
                                      registry=r)
         self.generated_tokens = Counter("glmasr_generated_tokens", "Tokens generated", registry=r)
-        self.queue_depth = Gauge("glmasr_queue_depth", "Requests inside the server", registry=r)
-        self.engine_pending = Gauge("glmasr_engine_pending_requests", "Requests queued or running in the engine",
-                                    registry=r)
-        self.engine_pending.set_function(engine_pending)
+        self.queue_depth = Gauge("glmasr_queue_depth", "Requests inside the server", registry=r,
+                                 multiprocess_mode="livesum")
+        if multiprocess_dir is None:
+            self.engine_pending = Gauge("glmasr_engine_pending_requests", "Requests queued or running in the engine",
+                                        registry=r)
+            self.engine_pending.set_function(engine_pending)
+        else:  # a Gauge would also write a per-process file (summed): this one is computed at each scrape only
+            local.register(_FunctionGauge("glmasr_engine_pending_requests", "Requests queued or running in the "
+                                          "engine", engine_pending))
         self.ttft = Histogram("glmasr_time_to_first_token_seconds", "Request received -> first tokens",
                               buckets=_BUCKETS, registry=r)
         self.latency = Histogram("glmasr_request_latency_seconds", "Request received -> answer complete",
@@ -91,8 +116,16 @@ class Metrics:
         for v in ("true", "false"):
             self.latency.labels(v)
         if workers is not None:
-            r.register(_WorkerCollector(workers))
-        self.live_sessions = Gauge("glmasr_realtime_active_sessions", "Open realtime sessions", registry=r)
+            local.register(_WorkerCollector(workers))
+        self.frontend = None
+        if frontend is not None:
+            self.frontend = Counter("glmasr_frontend_requests", "Transcription requests and realtime sessions "
+                                    "that reached this front-end", ["frontend", "kind"], registry=r)
+            for kind in ("transcription", "realtime"):
+                self.frontend.labels(str(frontend), kind)
+            self._frontend_index = str(frontend)
+        self.live_sessions = Gauge("glmasr_realtime_active_sessions", "Open realtime sessions", registry=r,
+                                   multiprocess_mode="livesum")
         self.live_sessions_total = Counter("glmasr_realtime_sessions", "Realtime sessions accepted", registry=r)
         self.live_audio_seconds = Counter("glmasr_realtime_audio_seconds", "Seconds of audio received by realtime "
                                           "sessions", registry=r)
@@ -117,7 +150,19 @@ class Metrics:
                                    registry=r)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self._multiprocess_dir is None:
+            return generate_latest(self.registry)
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        summed = CollectorRegistry()
+        MultiProcessCollector(summed, path=self._multiprocess_dir)
+        return generate_latest(summed) + generate_latest(self._local)
+
+    def reached(self, kind: str) -> None:
+        """A transcription request ("transcription") or a realtime session ("realtime") reached this front-end
+        (counted with ``--frontends`` only)."""
+        if self.frontend is not None:
+            self.frontend.labels(self._frontend_index, kind).inc()
 
     def live(self) -> "LiveMetrics":
         """The hook a ``glmasr.live.session.LiveSession`` calls (``glmasr.live.events.LiveMetrics``)."""
@@ -182,3 +227,15 @@ class _WorkerCollector:
             failed.add_metric(key, w["failures"])
             restarts.add_metric(key, w["restarts"])
         yield from (up, held, audio, routed, failed, restarts)
+
+
+class _FunctionGauge:
+    """One unlabelled gauge whose value ``fn()`` gives at each scrape."""
+
+    def __init__(self, name: str, documentation: str, fn):
+        self._name, self._doc, self._fn = name, documentation, fn
+
+    def collect(self):
+        g = GaugeMetricFamily(self._name, self._doc)
+        g.add_metric([], float(self._fn()))
+        yield g

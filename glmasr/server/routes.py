@@ -131,6 +131,9 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
             workers = ctx.engine.workers()
             if workers is not None:
                 body["workers"] = workers
+            frontend = ctx.state.frontend
+            if frontend is not None:
+                body["frontend"] = {"index": frontend.index, "pid": frontend.pid, "frontends": frontend.count}
         return body
 
     @app.get("/health")
@@ -162,6 +165,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def transcriptions(request: Request):
         t0 = time.perf_counter()
         ticket = form = None
+        ctx.metrics.reached("transcription")
         try:
             check_auth(request)
             refuse_if_not_taking()

@@ -28,6 +28,17 @@ worker holds nothing of the job (its engine slots are free). ``kind``: the error
 (``glmasr.errors.error_code``: "invalid_audio", "invalid_value", "shutting_down", "request_timeout", "engine_error",
 "preempted", ..., or "error" for anything else).
 
+Listening (``spec.listen``: ``(folder, authkey)``, ``glmasr serve --frontends K``): the worker takes jobs from
+several front-end processes instead of its parent. Once warmed up it listens on the Unix socket
+``engine_address(folder, slot)`` (``multiprocessing.connection.Listener``, the authkey's challenge on every
+connection; a stale socket file of a dead predecessor is replaced), then says ``ready``; each front-end connects
+as a client and gets ``("hello", info)`` (the ready info). Job messages are the same as on the parent pipe, with
+job ids per connection; the jobs of every connection batch in the one engine. A connection that closes (its
+front-end died or stopped) aborts the jobs it sent (nobody wants their results); the parent pipe then carries only
+``stop`` and the heartbeat ``("progress", rounds, jobs held)``. ``spec.pending`` (a shared int64 array, one entry
+per slot) holds the number of jobs the worker holds, updated as they come and go: the front-ends read the engine's
+global load from it (live drafts are skipped when the engine is full).
+
 Stopping: ``("stop",)`` or SIGTERM drains (new jobs are rejected as "shutting_down", the ones in hand finish, then the
 process exits 0). A worker whose parent went away (its pipe closed) exits at once: nobody wants its results.
 
@@ -96,6 +107,13 @@ class WorkerSpec:
     warmup: str = "none"  # "full" | "request" | "none" (LocalEngineClient.warmup)
     server: bool = False  # serve through glmasr.server's LocalEngineClient (needs the serve extra)
     hooks: dict = field(default_factory=dict)
+    listen: tuple | None = None  # (folder, authkey): take jobs from front-end connections (module docstring)
+    pending: object = None  # a shared int64 array (multiprocessing RawArray): [slot] = jobs held, or None
+
+
+def engine_address(folder: str, slot: int) -> str:
+    """The Unix socket a listening worker of ``slot`` accepts front-end connections on."""
+    return os.path.join(folder, f"engine{slot}.sock")
 
 
 def spawn(ctx, make_spec, device: str, name: str):
@@ -155,13 +173,37 @@ def worker_main(spec: WorkerSpec, inbox, outbox) -> None:
         return
     term = threading.Event()  # a SIGTERM before the loop runs: drained as soon as it does
     signal.signal(signal.SIGTERM, lambda signum, frame: term.set())
+    info = {"pid": os.getpid(), "device": str(asr.device), "threads": spec.threads, "load_ms": load_ms,
+            "warmup_ms": timings, "slot": spec.slot}
+    listener = None
+    if spec.listen is not None:
+        try:
+            listener = _listen(spec)
+        except BaseException as e:  # noqa: BLE001 - reported to the parent, which gives the slot up
+            try:
+                outbox.send(("start_failed", f"cannot listen for front-ends: {type(e).__name__}: {e}"))
+            except OSError:
+                pass
+            return
     try:
-        outbox.send(("ready", {"pid": os.getpid(), "device": str(asr.device), "threads": spec.threads,
-                               "load_ms": load_ms, "warmup_ms": timings}))
+        outbox.send(("ready", info))
     except OSError:
         return
-    asyncio.run(_Jobs(client, spec.hooks, inbox, outbox).run(term))
+    asyncio.run(_Jobs(client, spec.hooks, inbox, outbox, listener=listener, info=info, pending=spec.pending,
+                      slot=spec.slot).run(term))
     asr.close()
+
+
+def _listen(spec: WorkerSpec):
+    from multiprocessing.connection import Listener
+
+    folder, authkey = spec.listen
+    address = engine_address(folder, spec.slot)
+    try:  # a predecessor's socket file (it died): nobody listens on it any more
+        os.unlink(address)
+    except FileNotFoundError:
+        pass
+    return Listener(address, family="AF_UNIX", backlog=64, authkey=authkey)
 
 
 def _install_step_delay(delay) -> None:
@@ -217,17 +259,31 @@ def _error_kind(e: BaseException) -> tuple[str, str]:
     return code, str(e) if code != "error" else f"{type(e).__name__}: {e}"
 
 
-class _Jobs:
-    """The child's asyncio side: jobs from the pipe, their messages back (all sent from the loop's thread)."""
+class _Link:
+    """One source of jobs: the parent's pipe (``parent``: its loss ends the process) or a front-end's connection."""
 
-    def __init__(self, client, hooks: dict, inbox, outbox):
+    def __init__(self, lid: int, inbox, outbox, parent: bool):
+        self.lid, self.inbox, self.outbox, self.parent = lid, inbox, outbox, parent
+        self.open = True
+
+
+class _Jobs:
+    """The child's asyncio side: jobs from the pipe (or the front-ends' connections), their messages back (all sent
+    from the loop's thread). Jobs are keyed by (link, id): ids are per connection."""
+
+    def __init__(self, client, hooks: dict, inbox, outbox, listener=None, info=None, pending=None, slot: int = 0):
         self.client = client
-        self.inbox = inbox
         self.outbox = outbox
         self.hooks = hooks
-        self.tasks: dict[int, asyncio.Task] = {}
+        self.parent = _Link(0, inbox, outbox, parent=True)
+        self.listener = listener
+        self.info = info or {}
+        self.pending, self.slot = pending, slot
+        self.links: dict[int, _Link] = {}
+        self._lids = iter(range(1, 1 << 62))
+        self.tasks: dict[tuple, asyncio.Task] = {}
         self.jobs: dict = {}
-        self.aborted: set[int] = set()
+        self.aborted: set[tuple] = set()
         self.draining = False
 
     async def run(self, term: threading.Event) -> None:
@@ -236,7 +292,10 @@ class _Jobs:
         self.loop.add_signal_handler(signal.SIGTERM, self.drain)
         if term.is_set():
             self.drain()
-        threading.Thread(target=self._read, name="glmasr-worker-inbox", daemon=True).start()
+        self._count()
+        threading.Thread(target=self._read, args=(self.parent,), name="glmasr-worker-inbox", daemon=True).start()
+        if self.listener is not None:
+            threading.Thread(target=self._accept, name="glmasr-worker-accept", daemon=True).start()
         beat = self.loop.create_task(self._heartbeat())
         await self.done.wait()
         beat.cancel()
@@ -244,24 +303,86 @@ class _Jobs:
     async def _heartbeat(self) -> None:
         loop = self.client.asr.loop
         while True:
-            self.send(("progress", loop.rounds))
+            if self.listener is None:
+                self.send(("progress", loop.rounds))
+            else:  # the parent holds no jobs: it learns here whether the engine holds some (its watchdog)
+                self.send(("progress", loop.rounds, len(self.tasks)))
             await asyncio.sleep(HEARTBEAT_S)
 
-    def send(self, msg) -> None:
+    def send(self, msg, link: _Link | None = None) -> None:
+        link = self.parent if link is None else link
+        if not link.open:
+            return
         try:
-            self.outbox.send(msg)
-        except OSError:  # the parent is gone: nobody wants the results
-            os._exit(0)
+            link.outbox.send(msg)
+        except OSError:
+            if link.parent:  # the parent is gone: nobody wants the results
+                os._exit(0)
+            self._lost(link)  # that front-end is gone: the jobs it sent are aborted
 
-    def _read(self) -> None:  # a thread: the pipe's messages, handed to the loop
+    def _count(self) -> None:
+        if self.pending is not None:
+            self.pending[self.slot] = len(self.tasks)
+
+    def _accept(self) -> None:  # a thread: front-ends connecting
         while True:
             try:
-                msg = self.inbox.recv()
-            except (EOFError, OSError):
-                os._exit(0)
-            self.loop.call_soon_threadsafe(self._handle, msg)
+                conn = self.listener.accept()
+            except (OSError, EOFError):  # a client that failed the handshake, or the listener closed
+                if self.listener is None:
+                    return
+                time.sleep(0.01)
+                continue
+            except Exception:  # noqa: BLE001 - a wrong authkey (AuthenticationError): that client only
+                continue
+            self.loop.call_soon_threadsafe(self._connected, conn)
 
-    def _handle(self, msg) -> None:
+    def _connected(self, conn) -> None:
+        link = _Link(next(self._lids), conn, conn, parent=False)
+        self.links[link.lid] = link
+        self.send(("hello", self.info), link)
+        if link.open:
+            threading.Thread(target=self._read, args=(link,), name=f"glmasr-worker-conn{link.lid}",
+                             daemon=True).start()
+
+    def _lost(self, link: _Link) -> None:  # on the loop's thread
+        if not link.open:
+            return
+        link.open = False
+        self.links.pop(link.lid, None)
+        try:
+            link.outbox.close()
+        except OSError:
+            pass
+        for (lid, jid) in list(self.tasks):
+            if lid == link.lid:
+                self._abort((lid, jid))
+
+    def _read(self, link: _Link) -> None:  # a thread: the pipe's messages, handed to the loop
+        while True:
+            try:
+                msg = link.inbox.recv()
+            except Exception:  # noqa: BLE001 - EOF, a broken connection, or a message cut short
+                if link.parent:
+                    os._exit(0)
+                try:
+                    self.loop.call_soon_threadsafe(self._lost, link)
+                except RuntimeError:  # the loop is closed: the process is ending
+                    pass
+                return
+            self.loop.call_soon_threadsafe(self._handle, msg, link)
+
+    def _abort(self, key) -> None:
+        job = self.jobs.get(key)
+        if job is not None:
+            job.abort()
+        elif key in self.tasks:  # still being planned: aborted as soon as it exists
+            self.aborted.add(key)
+
+    def _handle(self, msg, link: _Link | None = None) -> None:
+        link = self.parent if link is None else link
+        if not link.open:
+            return
         kind = msg[0]
         if kind == "submit":
             jid, source, decode = msg[1], msg[2], msg[3]
@@ -271,18 +392,15 @@ class _Jobs:
                     (crash_on_prompt is not None and decode.prompt == crash_on_prompt):
                 os._exit(CRASH_EXIT_CODE)  # test hook: the process dies with its jobs in flight
             if self.draining:
-                self.send(("rejected", jid, "shutting_down", "the engine worker is shutting down"))
-                self.send(("end", jid))
+                self.send(("rejected", jid, "shutting_down", "the engine worker is shutting down"), link)
+                self.send(("end", jid), link)
                 return
-            self.tasks[jid] = self.loop.create_task(self._run(name, *msg[1:]))
+            key = (link.lid, jid)
+            self.tasks[key] = self.loop.create_task(self._run(link, name, *msg[1:]))
+            self._count()
         elif kind == "abort":
-            jid = msg[1]
-            job = self.jobs.get(jid)
-            if job is not None:
-                job.abort()
-            elif jid in self.tasks:  # still being planned: aborted as soon as it exists
-                self.aborted.add(jid)
-        elif kind == "stop":
+            self._abort((link.lid, msg[1]))
+        elif kind == "stop" and link.parent:
             self.drain()
 
     def drain(self) -> None:
@@ -299,7 +417,9 @@ class _Jobs:
             audio_ms = 1e3 * (time.perf_counter() - t_start)
         return self.client.submit(source, decode, t_start, audio_ms, pieces, stream, timeout, priority)
 
-    async def _run(self, name, jid, source, decode, t_start, audio_ms, pieces, stream, timeout, priority) -> None:
+    async def _run(self, link, name, jid, source, decode, t_start, audio_ms, pieces, stream, timeout,
+                   priority) -> None:
+        key = (link.lid, jid)
         job = None
         try:
             sleep = self.hooks.get("sleep_on")
@@ -309,24 +429,25 @@ class _Jobs:
                 job = await asyncio.to_thread(self._submit, source, decode, t_start, audio_ms, pieces, stream,
                                               timeout, priority)
             except Exception as e:  # noqa: BLE001 - this job's own problem (the audio, the prompt, ...)
-                self.send(("rejected", jid, *_error_kind(e)))
+                self.send(("rejected", jid, *_error_kind(e)), link)
                 return
-            self.jobs[jid] = job
-            if jid in self.aborted:
+            self.jobs[key] = job
+            if key in self.aborted:
                 job.abort()
-            self.send(("accepted", jid, job.prompt_tokens))
-            job.on_first_output(lambda t: self.loop.call_soon_threadsafe(self.send, ("first", jid, t)))
+            self.send(("accepted", jid, job.prompt_tokens), link)
+            job.on_first_output(lambda t: self.loop.call_soon_threadsafe(self.send, ("first", jid, t), link))
             try:
                 async for d in job.adeltas():
-                    self.send(("delta", jid, d))
+                    self.send(("delta", jid, d), link)
             except Exception as e:  # noqa: BLE001 - this job's failure
-                self.send(("failed", jid, *_error_kind(e)))
+                self.send(("failed", jid, *_error_kind(e)), link)
         finally:
             if job is not None:
                 job.abort()  # a no-op once finished
-            self.jobs.pop(jid, None)
-            self.aborted.discard(jid)
-            self.tasks.pop(jid, None)
-            self.send(("end", jid))
+            self.jobs.pop(key, None)
+            self.aborted.discard(key)
+            self.tasks.pop(key, None)
+            self._count()
+            self.send(("end", jid), link)
             if self.draining and not self.tasks:
                 self.done.set()

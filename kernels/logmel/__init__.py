@@ -8,6 +8,8 @@ Front doors:
   MelSpectrogram(**torchaudio.transforms.MelSpectrogram arguments except window_fn)
       input (..., time) float32/int16 CUDA -> (..., n_mels, n_frames).
   is_available() -> whether the CUDA path can run here.
+  prebuild(n_mels, device | sm=...) / whisper_config(n_mels, sm=...): the cubin whisper_features uses on a device
+      (or any device of SM ``sm``, e.g. 900, without one), built ahead (``glmasr compile``).
   mel_filters.mel_filter_bank_np: the Whisper filter bank in numpy (no CUDA; glmasr.audio.features imports it).
 """
 
@@ -19,7 +21,7 @@ import torch
 
 from . import _config
 
-__all__ = ["whisper_features", "MelSpectrogram", "is_available", "prebuild"]
+__all__ = ["whisper_features", "MelSpectrogram", "is_available", "prebuild", "whisper_config"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,16 +43,25 @@ def is_available() -> bool:
     return torch.cuda.is_available() and _deps_importable()
 
 
-def prebuild(n_mels: int = 128, device: torch.device | str | None = None, out_dtype=torch.float32) -> None:
-    """Build (NVRTC, seconds when the disk cache is cold) or read the cubin that ``whisper_features`` will use
-    on ``device``, without loading it: safe to call from a background thread while other work runs (the NVRTC
-    compile releases the GIL)."""
+def whisper_config(n_mels: int = 128, out_dtype=torch.float32, *, sm: int):
+    """The ``KernelConfig`` that ``whisper_features`` (float32 PCM) uses on a device of SM ``sm`` (e.g. 900 for
+    capability 9.0); no device needed."""
     rt = _rt()
-    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    return rt._cfg(rt.WHISPER_N_FFT, n_mels, 2.0, True, False, out_dtype, None, sm=sm)
+
+
+def prebuild(n_mels: int = 128, device: torch.device | str | None = None, out_dtype=torch.float32, *,
+             sm: int | None = None) -> None:
+    """Build (NVRTC, seconds when the disk cache is cold) or read the cubin that ``whisper_features`` will use
+    on ``device`` (or, ``sm`` given, on any device of that SM, e.g. 900, without touching a device), without
+    loading it: safe to call from a background thread while other work runs (the NVRTC compile releases the GIL)."""
     from ._build import get_cubin
 
-    get_cubin(rt._cfg(rt.WHISPER_N_FFT, n_mels, 2.0, True, False, out_dtype, idx))
+    if sm is None:
+        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        sm = _rt()._device_sm(idx)
+    get_cubin(whisper_config(n_mels, out_dtype, sm=sm))
 
 
 def _rt():

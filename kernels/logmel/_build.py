@@ -140,28 +140,34 @@ def _check(ret, what: str):
     return rest[0] if len(rest) == 1 else rest
 
 
-def nvrtc_compile(cfg: KernelConfig, verbose_ptxas: bool = False) -> tuple[bytes, str]:
-    """Compile now (no cache). Returns (cubin, log). Raises RuntimeError with the log on failure."""
+def compile_program(source: str, name: str, options: list[str], what: str) -> tuple[bytes, str]:
+    """NVRTC: ``source`` (file ``name``) with ``options`` to a cubin. Returns (cubin, log); RuntimeError with the
+    log, naming ``what``, on failure. No GPU needed (the target is in the options). Shared by the NVRTC families."""
     from cuda.bindings import nvrtc
 
-    opts = compile_options_raw(cfg) + [f"--include-path={d}" for d in include_dirs()]
-    if verbose_ptxas:
-        opts.append("--ptxas-options=-v")
-    prog = _check(nvrtc.nvrtcCreateProgram(_source().encode(), b"logmel.cu", 0, [], []), "create")
+    prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []), "create")
     try:
-        res = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])[0]
+        res = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])[0]
         size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
         log = b" " * size
         _check(nvrtc.nvrtcGetProgramLog(prog, log), "log")
         log_s = log.decode(errors="replace").rstrip("\x00 \n")
         if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"NVRTC compilation of logmel.cu failed for {cfg}:\n{log_s}")
+            raise RuntimeError(f"NVRTC compilation of {name} failed for {what}:\n{log_s}")
         size = _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
         cubin = b" " * size
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "cubin")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
     return bytes(cubin), log_s
+
+
+def nvrtc_compile(cfg: KernelConfig, verbose_ptxas: bool = False) -> tuple[bytes, str]:
+    """Compile now (no cache). Returns (cubin, log). Raises RuntimeError with the log on failure."""
+    opts = compile_options_raw(cfg) + [f"--include-path={d}" for d in include_dirs()]
+    if verbose_ptxas:
+        opts.append("--ptxas-options=-v")
+    return compile_program(_source(), "logmel.cu", opts, str(cfg))
 
 
 _warned_cold = False

@@ -50,22 +50,29 @@ def _device_sm(index: int) -> int:
     return major * 100 + minor * 10
 
 
+def load_module(cubin: bytes, device_index: int):
+    """``cubin`` loaded into torch's primary context of device ``device_index`` (made current on this thread if
+    nothing is); the CUmodule. Shared by the NVRTC families."""
+    driver = _drv()
+    with torch.cuda.device(device_index):
+        torch.cuda.init()
+        torch.cuda.current_stream(device_index)  # makes torch's primary context current
+        _ck(driver.cuInit(0), "cuInit")
+        ctx = _ck(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if int(ctx) == 0:
+            dev = _ck(driver.cuDeviceGet(device_index), "cuDeviceGet")
+            ctx = _ck(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+            _ck(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        return _ck(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+
+
 class _Module:
     """One loaded cubin: logmel_main (+ logmel_finalize for Whisper) and its layout info."""
 
     def __init__(self, cfg: KernelConfig, device_index: int):
         driver = _drv()
-        cubin = get_cubin(cfg)
         with torch.cuda.device(device_index):
-            torch.cuda.init()
-            torch.cuda.current_stream(device_index)  # makes torch's primary context current
-            _ck(driver.cuInit(0), "cuInit")
-            ctx = _ck(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-            if int(ctx) == 0:
-                dev = _ck(driver.cuDeviceGet(device_index), "cuDeviceGet")
-                ctx = _ck(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-                _ck(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-            self.module = _ck(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+            self.module = load_module(get_cubin(cfg), device_index)
             self.main = _ck(driver.cuModuleGetFunction(self.module, b"logmel_main"), "cuModuleGetFunction")
             self.finalize = None
             if cfg.whisper:
@@ -167,14 +174,16 @@ def _filters(key: tuple, device: str):
     return t(window), t(start), t(width), t(off), t(w), int(width.sum())
 
 
-def _cfg(n_fft: int, n_mels: int, power: float, whisper: bool, in_i16: bool, out_dtype, dev_index: int):
-    """The production configuration; out_dtype: a torch dtype (float32 / bfloat16 / float16) or, as before,
-    a bool (True: bfloat16)."""
+def _cfg(n_fft: int, n_mels: int, power: float, whisper: bool, in_i16: bool, out_dtype, dev_index: int | None,
+         sm: int | None = None):
+    """The production configuration for device ``dev_index``, or (``sm`` given, e.g. 900) for a device of that SM
+    without touching one; out_dtype: a torch dtype (float32 / bfloat16 / float16) or, as before, a bool (True:
+    bfloat16)."""
     out_bf16, out_f16 = _out_flags(out_dtype)
     ept, pairs, iters = C.LAUNCH[n_fft]
     return KernelConfig(
         n_fft=n_fft, pairs=pairs, iters=iters, split=C.split_lanes(n_fft, n_mels), power_mode=C.power_mode(power),
-        whisper=whisper, in_i16=in_i16, out_bf16=out_bf16, sm=_device_sm(dev_index), ept=ept,
+        whisper=whisper, in_i16=in_i16, out_bf16=out_bf16, sm=_device_sm(dev_index) if sm is None else sm, ept=ept,
         direct=whisper and C.WHISPER_DIRECT, minb=C.WHISPER_MINB if whisper else 0, out_f16=out_f16,
     )
 

@@ -6,7 +6,8 @@ case, with the caches it chose in GLMASR_CACHE_DIR / TRITON_CACHE_DIR):
 
 Stages, in order, each a wall clock that ends with the GPU synchronised (queued GPU work is charged to the stage
 that queued it): ``import torch``; ``import glmasr``; ``glmasr.load`` (and the handle's ``load_timings``, ms per
-load stage, as given); with --warmup ``asr.warmup()`` (and the ms per stage it returns); the first
+load stage, as given; with --warmup-background ``load(warmup="background")``, whose captures go on while the
+requests run: when they are all done, from the end of load, is reported after the second request); with --warmup ``asr.warmup()`` (and the ms per stage it returns); the first
 ``glmasr.transcribe`` of a SECONDS clip with NEW_TOKENS forced tokens (and its ``timings_ms``); a second one (the
 steady state, for comparison). With --mixed N each request is instead one ``transcribe`` of issue 13's mixed
 workload (N clips of 1-30 s, scripts/bench/workloads.py) on an engine of B slots, and RESULT has the audio
@@ -54,8 +55,10 @@ def main() -> int:
 
     device, dtype, backend = opt("--device", "cuda"), opt("--dtype", "bfloat16"), opt("--backend", "triton")
     seconds, new_tokens, warmup = float(opt("--seconds", "3.5")), int(opt("--new-tokens", "13")), "--warmup" in args
+    background = "--warmup-background" in args
     mixed, max_batch = int(opt("--mixed", "0")), opt("--max-batch", None)
-    RESULT.update(device=device, dtype=dtype, backend=backend, warmup=warmup, clip_s=seconds, new_tokens=new_tokens,
+    RESULT.update(device=device, dtype=dtype, backend=backend, warmup="background" if background else warmup,
+                  clip_s=seconds, new_tokens=new_tokens,
                   mixed_clips=mixed, max_batch=max_batch)
     stages = RESULT["stages_ms"]
 
@@ -77,11 +80,17 @@ def main() -> int:
         stages["import_glmasr"] = 1e3 * (time.monotonic() - t)
         dump(result_path)
 
+        from scripts.bench.triton_hooks import triton_compiles
+
         t = time.monotonic()
         engine_options = {"max_batch": int(max_batch)} if max_batch else {}
-        asr = glmasr.load(folder, device=device, dtype=dtype, backend=backend, **engine_options)
-        sync()
+        with triton_compiles() as compiles:
+            asr = glmasr.load(folder, device=device, dtype=dtype, backend=backend,
+                              **({"warmup": "background"} if background else {}), **engine_options)
+            sync()
         stages["load"] = 1e3 * (time.monotonic() - t)
+        RESULT["load_triton_compiles"] = compiles.summary()
+        t_loaded = time.monotonic()
         RESULT["load_stages_ms"] = as_ms_dict(getattr(asr, "load_timings", {}), "load")
         RESULT["model"] = repr(asr)
         dump(result_path)
@@ -103,20 +112,34 @@ def main() -> int:
                 RESULT["warmup_stages_ms"] = as_ms_dict(got, "warmup")
             dump(result_path)
 
-        from scripts.bench.triton_hooks import triton_compiles
         from scripts.bench.workloads import mixed_clips, noise_clip
 
         audio = mixed_clips(mixed) if mixed else noise_clip(seconds, seed=0)
         if mixed:
             RESULT["audio_s"] = sum(len(a) for a in audio) / 16000
+        profile = "--profile-first" in args
         for name in ("first_request", "second_request"):
+            runner = getattr(getattr(asr, "engine", None), "runner", None)
+            before = dict(runner.stats) if runner is not None else {}
+            prof = None
+            if profile and name == "first_request" and cuda:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                          torch.profiler.ProfilerActivity.CUDA])
+                prof.__enter__()
             with triton_compiles() as compiles:
                 t = time.monotonic()
                 r = glmasr.transcribe(audio, model=asr, sampling_rate=16000, max_new_tokens=new_tokens,
                                       ignore_eos=True)
                 sync()
                 stages[name] = 1e3 * (time.monotonic() - t)
+            if prof is not None:
+                prof.__exit__(None, None, None)
+                RESULT["first_request_profile"] = prof.key_averages().table(
+                    sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)
             RESULT[f"{name}_triton_compiles"] = compiles.summary()
+            if runner is not None:  # graph captures, eager rounds, prefills by kind, in this request
+                RESULT[f"{name}_runner_stats"] = {k: round(v - before.get(k, 0), 1) for k, v in runner.stats.items()
+                                                  if v != before.get(k, 0)}
             if mixed:
                 RESULT[f"{name}_RTFx"] = RESULT["audio_s"] / (stages[name] / 1e3)
                 RESULT[f"{name}_tokens"] = sum(len(x.token_ids) for x in r)
@@ -124,6 +147,13 @@ def main() -> int:
                 RESULT[f"{name}_timings_ms"] = as_ms_dict(getattr(r, "timings_ms", {}), name)
                 RESULT[f"{name}_tokens"] = len(r.token_ids)
             dump(result_path)
+        pending = getattr(asr, "background_warmup", None)
+        if pending is not None:  # what the background warm-up did, and when it was done (from the end of load)
+            got = pending.result(timeout=600)
+            RESULT["background_warmup_done_ms"] = 1e3 * (time.monotonic() - t_loaded)
+            RESULT["background_warmup_stages_ms"] = as_ms_dict(got, "background_warmup")
+            if got.get("errors"):
+                RESULT["background_warmup_errors"] = got["errors"]
         if cuda:
             RESULT["max_memory_allocated_GB"] = torch.cuda.max_memory_allocated() / 1e9
         close = getattr(asr, "close", None)

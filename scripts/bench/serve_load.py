@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def start_server(folder, device: str, max_batch: int | None, max_queue: int | None, log_path: Path, extra=(),
-                 tokens_per_s: float | None = None):
+                 tokens_per_s: float | None = None, tokens: int | None = None):
     """``glmasr serve`` (``python -m glmasr.cli serve``) in its own process on a free 127.0.0.1 port, its output
     in ``log_path``; ``extra``: more flags; ``tokens_per_s``: every prompt's budget forced to that many tokens per
     second of audio (``scripts.bench.forced_serve``). Returns (process, port, log file)."""
@@ -38,7 +38,8 @@ def start_server(folder, device: str, max_batch: int | None, max_queue: int | No
     log = open(log_path, "w")
     sizes = [*(["--max-batch", str(max_batch)] if max_batch else []),
              *(["--max-queue", str(max_queue)] if max_queue else [])]
-    launcher = (["-m", "glmasr.cli", "serve"] if tokens_per_s is None
+    launcher = (["-m", "scripts.bench.forced_serve", "--tokens", str(tokens)] if tokens is not None
+                else ["-m", "glmasr.cli", "serve"] if tokens_per_s is None
                 else ["-m", "scripts.bench.forced_serve", "--tokens-per-s", str(tokens_per_s)])
     where = ["--device", device] if device else []  # None: the flags in extra say (--data-parallel, --devices)
     proc = subprocess.Popen([sys.executable, *launcher, "--model", str(folder), *where,
@@ -84,6 +85,83 @@ def run(asr, folder, levels=(1, 8, 64, 256), seconds: float = 30.0, num_clips: i
     return report
 
 
+def first_mixed(folder, device: str = "cuda", n: int = 300, new_tokens: int = 40, slots: int = 128, calls: int = 2,
+                out_dir: Path | None = None, health_timeout_s: float = 300.0, server_flags=()) -> dict:
+    """A fresh server's first mixed workload (issue 27, item 4): ``glmasr serve`` (full warm-up before /health
+    is ok) with every prompt forced to ``new_tokens`` tokens, then issue 13's ``n`` clips of 1-30 s
+    (scripts/bench/workloads.py, as 16-bit WAV uploads) sent at once by the real openai client, ``calls`` times in
+    a row; RTFx = the clips' seconds / the wall from the first send to the last answer. The server admits every
+    upload at once (``--max-uploads`` / ``--max-connections`` above ``n``); ``server_flags``: more flags (e.g.
+    ``--frontends 4``)."""
+    import io
+    import time
+
+    import soundfile as sf
+
+    from scripts.bench.workloads import mixed_clips
+
+    out_dir = Path(out_dir or ".")
+    clips = []
+    for a in mixed_clips(n):
+        buf = io.BytesIO()
+        sf.write(buf, a, 16000, format="WAV", subtype="PCM_16")
+        clips.append((buf.getvalue(), len(a) / 16000))
+    audio_s = sum(d for _, d in clips)
+    t_start = time.monotonic()
+    extra = ["--max-uploads", str(2 * n), "--max-connections", str(max(1024, 2 * n)), *server_flags]
+    proc, port, log = start_server(folder, device, slots, 2 * n, out_dir / "first_mixed_server.log", extra,
+                                   tokens=new_tokens)
+    report = {"clips": n, "audio_s": round(audio_s, 1), "new_tokens": new_tokens, "slots": slots,
+              "server_flags": list(server_flags), "calls": []}
+    try:
+        report["server_ready_s"] = round(loadgen_wait(port, health_timeout_s, proc), 2)
+        report["process_start_to_ready_s"] = round(time.monotonic() - t_start, 2)
+        for i in range(calls):
+            row = asyncio.run(_send_all(f"http://127.0.0.1:{port}/v1", clips))
+            row["RTFx"] = round(audio_s / row["wall_s"], 1)
+            report["calls"].append(row)
+            print(f"[first-mixed] call {i + 1}: {json.dumps(row)}", flush=True)
+    finally:
+        report["server_exit_status"] = stop_server(proc)
+        log.close()
+    return report
+
+
+def loadgen_wait(port: int, timeout_s: float, proc) -> float:
+    from glmasr.server import loadgen
+
+    return loadgen.wait_healthy(port, timeout_s, lambda: proc.poll() is None)
+
+
+async def _send_all(base_url: str, clips) -> dict:
+    """Every clip as its own request, all at once; wall from the first send to the last answer."""
+    import time
+
+    import httpx2
+    import openai
+
+    http = openai.DefaultAsyncHttpxClient(limits=httpx2.Limits(max_connections=len(clips) + 8,
+                                                              max_keepalive_connections=len(clips) + 8),
+                                          timeout=httpx2.Timeout(600))
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="none", http_client=http, max_retries=0)
+    errors = []
+
+    async def one(data):
+        try:
+            r = await client.audio.transcriptions.create(file=("clip.wav", data), model="glm-asr-nano-2512")
+            return r.text
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}"[:300])
+            return None
+
+    t0 = time.perf_counter()
+    texts = await asyncio.gather(*(one(data) for data, _ in clips))
+    wall = time.perf_counter() - t0
+    await client.close()
+    return {"wall_s": round(wall, 3), "ok": sum(t is not None for t in texts), "failed": len(errors),
+            "errors": errors[:5]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint folder (default: the full-size random one)")
@@ -91,11 +169,23 @@ def main(argv=None) -> int:
     p.add_argument("--clients", default="1,8,64,256")
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--json", default=None)
+    p.add_argument("--first-mixed", action="store_true",
+                   help="only a fresh server's first mixed workload (first_mixed), no load levels")
+    p.add_argument("--server-flag", action="append", default=[], metavar="FLAG",
+                   help="--first-mixed: a flag for glmasr serve (repeatable; e.g. --server-flag=--frontends=4)")
     args = p.parse_args(argv)
     import glmasr
     from glmasr.checkpoint.random_weights import ensure_full_size_checkpoint
 
     folder = args.model or ensure_full_size_checkpoint()
+    if args.first_mixed:
+        flags = [f for flag in args.server_flag for f in flag.split("=", 1)]
+        report = first_mixed(folder, args.device, server_flags=tuple(flags),
+                             out_dir=Path(os.environ.get("OUT", ".")))
+        print(json.dumps(report), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+        return 0 if all(c["failed"] == 0 for c in report["calls"]) else 1
     asr = glmasr.load(folder, device=args.device)
     report = run(asr, folder, tuple(int(c) for c in args.clients.split(",")), args.seconds, device=args.device)
     if args.json:

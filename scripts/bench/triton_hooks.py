@@ -13,6 +13,11 @@ class TritonCompiles:
 
     def __init__(self):
         self.started, self.done = {}, []
+        self.hits, self.misses = [], []  # compilation listener: (kernel, ms) loaded from the disk cache / compiled
+
+    def listener(self, *, src, metadata, times=None, cache_hit=False, **_):
+        name = str(getattr(src, "name", None) or metadata.get("name", "?"))
+        (self.hits if cache_hit else self.misses).append(name)
 
     def before(self, *, key, repr, fn, **_):
         self.started[(fn.name, str(key))] = time.perf_counter()
@@ -30,6 +35,7 @@ class TritonCompiles:
             by_kernel[name] = (n + 1, total + ms)
         slowest = sorted(self.done, key=lambda d: -d[1])[:12]
         return {"count": len(self.done), "ms": round(sum(d[1] for d in self.done), 1),
+                "disk_cache_hits": len(self.hits), "compiled": len(self.misses), "compiled_kernels": self.misses[:40],
                 "by_kernel": {k: {"count": n, "ms": round(ms, 1)} for k, (n, ms) in by_kernel.items()},
                 "slowest": [{"kernel": k, "ms": round(ms, 1), "signature": r[:400]} for k, ms, r in slowest]}
 
@@ -44,9 +50,10 @@ def triton_compiles():
     except ImportError:
         yield rec
         return
-    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook, knobs.compilation.listener
     knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = rec.before, rec.after
+    knobs.compilation.listener = rec.listener
     try:
         yield rec
     finally:
-        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook, knobs.compilation.listener = saved

@@ -95,12 +95,14 @@ class RealtimeService:
     """What every realtime connection shares: the engine client, the tokenizer (token ids -> text), the one
     ``VadStreams`` (started and stopped with the app), the metrics and the count of open sessions."""
 
-    def __init__(self, engine, limits: RealtimeLimits, metrics, state):
+    def __init__(self, engine, limits: RealtimeLimits, metrics, state, sessions=None):
         self.engine = engine
         self.prompts = None  # the checkpoint's PromptBuilder (token ids -> text), set by the app's warm-up
         self.limits = limits
         self.state = state  # app.ServerState: ``draining``
-        self.max_sessions = limits.max_sessions or 8 * engine.slots
+        self.max_sessions = live_limit(limits, engine)
+        # the open sessions of every front-end (``frontends.SharedCount``: reserve / release / total), or None
+        self.sessions = sessions
         self.metrics = metrics
         self.hook = metrics.live()
         self.vads = None
@@ -128,6 +130,11 @@ class RealtimeService:
             await asyncio.wait([c.done for c in self.connections], timeout=CLOSE_GRACE_S)
         if self.vads is not None:
             await self.vads.stop()
+
+
+def live_limit(limits: RealtimeLimits, engine) -> int:
+    """The most open realtime sessions: ``max_sessions``, else 8 x the engines' slots."""
+    return limits.max_sessions or 8 * engine.slots
 
 
 def _offered_key(subprotocols) -> str | None:
@@ -178,7 +185,11 @@ def add_realtime_route(app: FastAPI, ctx, service: RealtimeService) -> None:
                 return (f"realtime sessions are unavailable: the VAD could not be loaded ({service.vad_error})",
                         "vad_unavailable", None, 1011, "server_error")
             return ("the model is warming up; see GET /health/ready", "not_ready", None, 1013, "server_error")
-        if service.active >= service.max_sessions:
+        if service.sessions is not None:  # counted over every front-end; reserved here, released at the end
+            if not service.sessions.reserve():
+                return (f"the server has {service.sessions.total()} realtime sessions open (its limit, "
+                        "--max-realtime-sessions); retry later", "session_limit", None, 1013, "server_error")
+        elif service.active >= service.max_sessions:
             return (f"the server has {service.active} realtime sessions open (its limit, --max-realtime-sessions); "
                     "retry later", "session_limit", None, 1013, "server_error")
         return None
@@ -192,7 +203,11 @@ def add_realtime_route(app: FastAPI, ctx, service: RealtimeService) -> None:
     @app.websocket("/v1/realtime")
     async def realtime(ws: WebSocket):
         offered = ws.scope.get("subprotocols") or []
-        await ws.accept(subprotocol=_answer_subprotocol(offered))
+        frontend = ctx.state.frontend
+        await ws.accept(subprotocol=_answer_subprotocol(offered),
+                        headers=None if frontend is None else [frontend.header])
+        if frontend is not None:
+            service.metrics.reached("realtime")
         refused = refusal(ws)
         if refused is not None:
             message, code, param, close_code, kind = refused
@@ -218,6 +233,8 @@ def add_realtime_route(app: FastAPI, ctx, service: RealtimeService) -> None:
         finally:
             service.connections.discard(conn)
             service.active -= 1
+            if service.sessions is not None:
+                service.sessions.release()
             service.metrics.live_sessions.set(service.active)
 
 
