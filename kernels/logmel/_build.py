@@ -148,14 +148,17 @@ def compile_program(source: str, name: str, options: list[str], what: str) -> tu
     prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []), "create")
     try:
         res = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])[0]
+        # NVRTC writes into these buffers: they must be fresh mutable ones. ``b" " * n`` is not: for n == 1 (an
+        # empty log is its terminating NUL alone) it is the interpreter's cached one-byte b" ", and the NUL
+        # written into it corrupted every later b" " of the process (torch.load then misread files).
         size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
-        log = b" " * size
+        log = bytearray(size)
         _check(nvrtc.nvrtcGetProgramLog(prog, log), "log")
         log_s = log.decode(errors="replace").rstrip("\x00 \n")
         if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise RuntimeError(f"NVRTC compilation of {name} failed for {what}:\n{log_s}")
         size = _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
-        cubin = b" " * size
+        cubin = bytearray(size)
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "cubin")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)

@@ -5,7 +5,10 @@ variant on a fresh runner whose graphs are captured under it; then the 3.5 s cli
 first and last variant.
 
     python -m scripts.bench.decode_variants [--model FOLDER] [--contexts 64,512,2048,8184] [--json FILE]
-        [--min-chunks 256,128,64]
+        [--min-chunks 256,128,64] [--int8]
+
+``--int8``: one more row, the shipped tables with the int8 decode weights (``load(decode_weights="int8")``, a
+second model in the same process).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", default="64,512,2048,8184")
     p.add_argument("--min-chunks", default="256,128,64")
     p.add_argument("--json", default=None)
+    p.add_argument("--int8", action="store_true", help="also the int8 decode weights with the shipped tables")
     args = p.parse_args(argv)
 
     import torch
@@ -43,9 +47,13 @@ def main(argv=None) -> int:
     variants += [(f"cuda GEMVs, min chunk {c}", shipped_table, int(c)) for c in args.min_chunks.split(",")]
     rows = []
     steps = 8
-    for name, table, chunk in variants:
+    int8_model = glmasr.load(folder, device="cuda", decode_weights="int8").model if args.int8 else None
+    runs = [(name, table, chunk, model) for name, table, chunk in variants]
+    if int8_model is not None:
+        runs.append(("cuda GEMVs, int8 weights (shipped)", shipped_table, shipped_chunk, int8_model))
+    for name, table, chunk, net in runs:
         fast_decoder.CUDA_GEMV_SHAPES, decode_attention.MIN_CHUNK = table, chunk
-        runner = decode_runner(model, cfg.max_position_embeddings)
+        runner = decode_runner(net, cfg.max_position_embeddings)
         row = {"variant": name, "cuda_gemv_shapes": len(table), "min_chunk": chunk, "ms_per_token": {}}
         for ctx in contexts:
             ctx = min(ctx, runner.capacity - steps)
