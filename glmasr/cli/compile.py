@@ -3,8 +3,9 @@
 
 Builds every Triton specialization of the manifest (default: the one shipped for the arch,
 ``glmasr_kernels/manifests/sm<arch>.json``, recorded on such a GPU by ``scripts/record_kernels.py``) into Triton's
-cache (``--cache-dir``, else ``TRITON_CACHE_DIR``, else ``~/.triton/cache``), and the log-mel frontend's NVRTC cubin
-into glmasr's cache (``GLMASR_CACHE_DIR``/cubins, else ~/.cache/glmasr/cubins), for sm_<arch>
+cache (``--cache-dir``, else ``TRITON_CACHE_DIR``, else ``~/.triton/cache``), and the NVRTC cubins (the log-mel
+frontend's, the CUDA decode GEMVs') into glmasr's cache (``GLMASR_CACHE_DIR``/cubins, else ~/.cache/glmasr/cubins),
+for sm_<arch>
 (``glmasr_kernels.aot.build``). Run it with the same Triton and glmasr install, and the same ``TRITON_*`` compile
 variables, as the process that will serve: they are part of the cache keys.
 
