@@ -88,7 +88,6 @@ import functools
 import hashlib
 import os
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -356,31 +355,13 @@ def cubin_path(cfg: GemvConfig, sm: int = 90) -> Path:
     return cache_dir() / f"gemv_{cache_key(cfg, sm)}.cubin"
 
 
-_warned_cold = False
-
 
 def get_cubin(cfg: GemvConfig, sm: int = 90) -> bytes:
     """The cubin for cfg on sm_<sm>: from the disk cache, else compiled (said once on stderr) and stored."""
-    global _warned_cold
-    path = cubin_path(cfg, sm)
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        pass
-    if not _warned_cold:
-        print(f"glmasr_kernels.cuda_gemv: compiling CUDA GEMVs with NVRTC (first use); cache: {path.parent}",
-              file=sys.stderr)
-        _warned_cold = True
-    cubin, _ = nvrtc_compile(cfg, sm)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp_gemv_")
-        with os.fdopen(fd, "wb") as f:
-            f.write(cubin)
-        os.replace(tmp, path)  # atomic: concurrent processes never see a partial cubin
-    except OSError:
-        pass  # an unwritable cache only costs a recompile next time
-    return cubin
+    from .logmel._build import cached_cubin
+
+    return cached_cubin(cubin_path(cfg, sm), lambda: nvrtc_compile(cfg, sm)[0],
+                        "glmasr_kernels.cuda_gemv: compiling CUDA GEMVs with NVRTC (first use)")
 
 
 def prebuild(configs: list[GemvConfig] | None = None, sm: int = 90, workers: int | None = None) -> list[Path]:

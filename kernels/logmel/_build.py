@@ -173,30 +173,35 @@ def nvrtc_compile(cfg: KernelConfig, verbose_ptxas: bool = False) -> tuple[bytes
     return compile_program(_source(), "logmel.cu", opts, str(cfg))
 
 
-_warned_cold = False
-
 
 def get_cubin(cfg: KernelConfig) -> bytes:
     """The cubin for cfg: from the disk cache, else compiled (saying so once on stderr) and stored."""
-    global _warned_cold
     path = cache_dir() / f"logmel_{cache_key(cfg)}.cubin"
+    return cached_cubin(path, lambda: nvrtc_compile(cfg)[0], "glmasr.logmel: compiling CUDA kernels with NVRTC "
+                        "(first use, a few seconds each)")
+
+
+_announced: set[str] = set()  # the families that said on stderr that they compile
+
+
+def cached_cubin(path: Path, build, cold_message: str) -> bytes:
+    """The cubin at ``path`` (the disk cache), else ``build()``'s, stored there atomically (an unwritable cache only
+    costs a recompile next time); ``cold_message`` (with the cache folder) goes to stderr the first time it
+    compiles in this process. Shared by the NVRTC families."""
     try:
         return path.read_bytes()
     except FileNotFoundError:
         pass
-    if not _warned_cold:
-        print(
-            f"glmasr.logmel: compiling CUDA kernels with NVRTC (first use, a few seconds each); cache: {path.parent}",
-            file=sys.stderr,
-        )
-        _warned_cold = True
-    cubin, _ = nvrtc_compile(cfg)
+    if cold_message not in _announced:
+        print(f"{cold_message}; cache: {path.parent}", file=sys.stderr)
+        _announced.add(cold_message)
+    cubin = build()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp_logmel_")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp_")
         with os.fdopen(fd, "wb") as f:
             f.write(cubin)
         os.replace(tmp, path)  # atomic: concurrent processes never see a partial cubin
     except OSError:
-        pass  # an unwritable cache only costs a recompile next time
+        pass
     return cubin
