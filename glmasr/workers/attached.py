@@ -39,7 +39,7 @@ from ..engine.loop import check_priority
 from ..engine.request import Priority
 from ..errors import EngineClosed
 from .engine_client import WARMUPS, EngineClient
-from .pool import Worker, WorkerPool
+from .pool import Worker, WorkerPool, send_loop
 from .process import engine_address
 from .requests import RemoteRequest, pick_least_loaded
 
@@ -263,21 +263,14 @@ class AttachedEngineClient(EngineClient):
             req._deliver(("died", text, code))
 
     def _send_loop(self, link: _Link, q, conn) -> None:
-        while True:
-            msg = q.get()
-            if msg is None:
-                return
-            try:
-                conn.send(msg)
-            except (OSError, EOFError):  # the engine is gone: the reader sees it and fails what it held
-                return
-            except Exception as e:  # noqa: BLE001 - a message that cannot be pickled fails its job alone
-                if msg[0] == "submit":
-                    with self._cv:
-                        req = link.held.pop(msg[1], None)
-                        if req is not None:
-                            req._deliver(("rejected", "error", f"{type(e).__name__}: {e}"))
-                            req._deliver(("end",))
+        def unsendable(job_id, error: str) -> None:
+            with self._cv:
+                req = link.held.pop(job_id, None)
+                if req is not None:
+                    req._deliver(("rejected", "error", error))
+                    req._deliver(("end",))
+
+        send_loop(q, conn, unsendable)
 
     # ---- requests ----
     def submit(self, audio, decode, t_start, audio_ms=0.0, pieces=None, stream=False, timeout=None,

@@ -73,6 +73,23 @@ class Worker:
         self.progress_at = self.started_at = 0.0
 
 
+def send_loop(q, conn, unsendable) -> None:
+    """Send each message ``q`` gives on ``conn`` until None comes or the other end is gone (the reader sees that
+    and fails what the process held). A ``submit`` that cannot be pickled fails its job alone:
+    ``unsendable(job_id, "Type: message")``."""
+    while True:
+        msg = q.get()
+        if msg is None:
+            return
+        try:
+            conn.send(msg)
+        except (OSError, EOFError):
+            return
+        except Exception as e:  # noqa: BLE001 - a message that cannot be pickled
+            if msg[0] == "submit":
+                unsendable(msg[1], f"{type(e).__name__}: {e}")
+
+
 class WorkerPool:
     """The lifecycle (module docstring); a policy subclasses it and implements the hooks below."""
 
@@ -209,19 +226,12 @@ class WorkerPool:
                          name=f"{self._name}{w.slot}-send").start()
 
     def _send_loop(self, w: Worker, q, conn) -> None:
-        while True:
-            msg = q.get()
-            if msg is None:
-                return
-            try:
-                conn.send(msg)
-            except (OSError, EOFError):  # it died: its death hands what it held to the policy
-                return
-            except Exception as e:  # noqa: BLE001 - a message that cannot be pickled fails its job alone
-                if msg[0] == "submit":
-                    with self._cv:
-                        self._message(w, ("rejected", msg[1], "error", f"{type(e).__name__}: {e}"))
-                        self._message(w, ("end", msg[1]))
+        def unsendable(job_id, error: str) -> None:  # its death, if any, hands the rest to the policy
+            with self._cv:
+                self._message(w, ("rejected", job_id, "error", error))
+                self._message(w, ("end", job_id))
+
+        send_loop(q, conn, unsendable)
 
     def _monitor(self) -> None:
         """The one thread that reads every worker's messages, sees deaths and kills what the timeouts say."""
