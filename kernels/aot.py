@@ -112,7 +112,8 @@ def logmel_jobs(arch: int) -> list[NvrtcJob]:
 
 
 def cuda_gemv_jobs(arch: int) -> list[NvrtcJob]:
-    """The CUDA decode GEMVs' cubins (``glmasr_kernels.cuda_gemv``): every config of its tables (bf16 and int8)."""
+    """The CUDA decode GEMVs' cubins (``glmasr_kernels.cuda_gemv``): every config the product launches (its tables,
+    bf16 and int8, and their fused batch-1 forms: ``cuda_gemv.default_configs``)."""
     try:
         import functools
 
@@ -121,8 +122,7 @@ def cuda_gemv_jobs(arch: int) -> list[NvrtcJob]:
         raise ToolchainMissing(f"the CUDA GEMVs cannot be built: {e}") from e
     if not cuda_gemv._deps_importable():
         raise ToolchainMissing("the CUDA GEMVs need cuda-bindings (NVRTC): pip install 'glmasr[cuda]'")
-    tables = [cuda_gemv.CONFIGS, getattr(cuda_gemv, "CONFIGS_INT8", {})]
-    configs = list(dict.fromkeys(c for t in tables for c in t.values()))
+    configs = cuda_gemv.default_configs()
     return [NvrtcJob(f"cuda_gemv {c.short()} sm_{arch}", str(cuda_gemv.cubin_path(c, arch)),
                      functools.partial(cuda_gemv.get_cubin, c, arch)) for c in configs]
 

@@ -17,6 +17,8 @@
 //   GV_PF     L2 prefetch size hint of the weight loads: 0 none, 128 or 256 bytes
 //   GV_Q8     1: W is int8 (a 16-byte vector = 16 K elements), scaled per row by scale[] in the epilogue
 //   GV_I2F    int8 -> fp32 conversion: 0 magic number (PRMT + FADD), 1 cvt.rn.f32.s8 (I2F); see q8_to_f32
+//   GV_ROPE   1 (GV_M 1, GV_R even, no SwiGLU): the qkv GEMV with RoPE (rotate_half) and the KV append in the
+//             epilogue; the warp's column pairs are a head's dims (d, d + D/2), see rope_row
 
 #define GV_THREADS (GV_WARPS * 32)
 #define GV_G (GV_WARPS / GV_KS)          // column groups per block
@@ -27,6 +29,9 @@
 
 #if GV_WARPS % GV_KS != 0
 #error "GV_WARPS must be a multiple of GV_KS"
+#endif
+#if GV_ROPE && (GV_M != 1 || GV_R % 2 || GV_SWIGLU)
+#error "GV_ROPE needs GV_M 1, an even GV_R and no SwiGLU"
 #endif
 
 typedef unsigned int u32;
@@ -76,7 +81,18 @@ __device__ __forceinline__ unsigned short to_bf16(float f) {
 
 __device__ __forceinline__ float round_bf16(float f) { return __uint_as_float(((u32)to_bf16(f)) << 16); }
 
-__device__ __forceinline__ void fma8(float& acc, const vec4& w, const float (&xf)[8]) {
+__device__ __forceinline__ void unpack8(float* f, const vec4& v) {
+    f[0] = bf_lo(v.a);
+    f[1] = bf_hi(v.a);
+    f[2] = bf_lo(v.b);
+    f[3] = bf_hi(v.b);
+    f[4] = bf_lo(v.c);
+    f[5] = bf_hi(v.c);
+    f[6] = bf_lo(v.d);
+    f[7] = bf_hi(v.d);
+}
+
+__device__ __forceinline__ void fma8(float& acc, const vec4& w, const float* xf) {
     acc = fmaf(bf_lo(w.a), xf[0], acc);
     acc = fmaf(bf_hi(w.a), xf[1], acc);
     acc = fmaf(bf_lo(w.b), xf[2], acc);
@@ -130,50 +146,55 @@ __device__ __forceinline__ void load_chunk(vec4 (&wb)[GV_NW][GV_V], const vec4* 
     }
 }
 
+// The FMAs of weight vector slot j with its x vectors xq (int8: two x vectors per weight vector; each weight
+// vector is converted once for all x rows).
+__device__ __forceinline__ void fma_vec(float (&acc)[GV_NW][GV_M], const vec4 (&wb)[GV_NW][GV_V], int j,
+                                        const vec4 (&xq)[GV_M][GV_XV]) {
+    float xf[GV_M][8 * GV_XV];
+#pragma unroll
+    for (int m = 0; m < GV_M; ++m)
+#pragma unroll
+        for (int h = 0; h < GV_XV; ++h) unpack8(&xf[m][8 * h], xq[m][h]);
+#pragma unroll
+    for (int r = 0; r < GV_NW; ++r) {
+#if GV_Q8
+        float wf[16];
+        q8_to_f32(wb[r][j], wf);
+#pragma unroll
+        for (int m = 0; m < GV_M; ++m)
+#pragma unroll
+            for (int e = 0; e < 16; ++e) acc[r][m] = fmaf(wf[e], xf[m][e], acc[r][m]);
+#else
+#pragma unroll
+        for (int m = 0; m < GV_M; ++m) fma8(acc[r][m], wb[r][j], xf[m]);
+#endif
+    }
+}
+
+// Chunk c, x read from memory (after the wait).
 __device__ __forceinline__ void fma_chunk(float (&acc)[GV_NW][GV_M], const vec4 (&wb)[GV_NW][GV_V], const vec4* xv,
                                           int sxv, int c, int s, int lane, int kv) {
 #pragma unroll
     for (int j = 0; j < GV_V; ++j) {
         const int k = kvec(c, s, j, lane);
         const bool ok = k < kv;
-#if GV_Q8
-        // x elements 16k .. 16k + 15: two bf16 vectors; each weight vector is converted once for all x rows
-        float xf[GV_M][16];
+        vec4 xq[GV_M][GV_XV];
 #pragma unroll
-        for (int m = 0; m < GV_M; ++m) {
+        for (int m = 0; m < GV_M; ++m)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const vec4 xq = load_x(xv + (long long)m * sxv + 2 * k + h, ok);
-                xf[m][8 * h + 0] = bf_lo(xq.a);
-                xf[m][8 * h + 1] = bf_hi(xq.a);
-                xf[m][8 * h + 2] = bf_lo(xq.b);
-                xf[m][8 * h + 3] = bf_hi(xq.b);
-                xf[m][8 * h + 4] = bf_lo(xq.c);
-                xf[m][8 * h + 5] = bf_hi(xq.c);
-                xf[m][8 * h + 6] = bf_lo(xq.d);
-                xf[m][8 * h + 7] = bf_hi(xq.d);
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < GV_NW; ++r) {
-            float wf[16];
-            q8_to_f32(wb[r][j], wf);
-#pragma unroll
-            for (int m = 0; m < GV_M; ++m)
-#pragma unroll
-                for (int e = 0; e < 16; ++e) acc[r][m] = fmaf(wf[e], xf[m][e], acc[r][m]);
-        }
-#else
-#pragma unroll
-        for (int m = 0; m < GV_M; ++m) {
-            const vec4 xq = load_x(xv + (long long)m * sxv + k, ok);
-            const float xf[8] = {bf_lo(xq.a), bf_hi(xq.a), bf_lo(xq.b), bf_hi(xq.b),
-                                 bf_lo(xq.c), bf_hi(xq.c), bf_lo(xq.d), bf_hi(xq.d)};
-#pragma unroll
-            for (int r = 0; r < GV_NW; ++r) fma8(acc[r][m], wb[r][j], xf);
-        }
-#endif
+            for (int h = 0; h < GV_XV; ++h) xq[m][h] = load_x(xv + (long long)m * sxv + GV_XV * k + h, ok);
+        fma_vec(acc, wb, j, xq);
     }
+}
+
+// GV_ROPE: the weight row of virtual column v. Each head's rows are visited as (d, d + D/2) pairs, so a warp's
+// consecutive columns 2i, 2i + 1 hold both halves of one rotation: v = head * D + 2i + e -> head * D + i + e D/2
+// for the q and k heads (v < n_qk); the v heads in order.
+__device__ __forceinline__ int rope_row(int v, int hd, int n_qk) {
+    if (v >= n_qk) return v;
+    const int head = v / hd;
+    const int j = v - head * hd;
+    return head * hd + (j >> 1) + (j & 1) * (hd >> 1);
 }
 
 // A row scale (int8 W): a weight like W, so it is requested before the PDL wait too (coherent load, kept
@@ -187,9 +208,15 @@ __device__ __forceinline__ float load_scale(const float* p) {
 // x: (GV_M, K) bf16, row stride sxv 8-element vectors (16-byte aligned); w: (rows, K) contiguous, bf16 with
 // K = 8 kv or (GV_Q8) int8 with K = 16 kv; y: (GV_M, n_out) bf16, row stride sy elements; half: row offset of
 // the up half (SwiGLU), else unused; scale: (rows,) fp32 (GV_Q8; else unused).
+// GV_ROPE: pos / crow the token's position and cache row (flags bit 0: pos is int64, bit 1: crow is int64,
+// bit 2: crow given, else row 0); cosb / sinb (positions, hd / 2) fp32; kc / vc (rows, n_kvh, max_len, hd) bf16
+// contiguous; y receives q only ((n_q,) = the first n_q columns, in the usual dim order); columns [n_q, n_qk)
+// are k, [n_qk, n_out) v.
 extern "C" __global__ void __launch_bounds__(GV_THREADS, GV_MINB)
 gemv_kernel(const vec4* xv, const vec4* __restrict__ w, unsigned short* y, int n_out, int kv, int sxv, int sy,
-            int half, const float* __restrict__ scale) {
+            int half, const float* __restrict__ scale, const void* pos, const void* crow, int flags, const float* cosb,
+            const float* sinb, unsigned short* kc, unsigned short* vc, int hd, int n_q, int n_qk, int max_len,
+            int n_kvh) {
     // Dependents may launch as soon as every block got here: their weight loads overlap our tail. (They
     // cannot read y before their own wait, which returns only when this grid has finished.)
     asm volatile("griddepcontrol.launch_dependents;");
@@ -204,7 +231,11 @@ gemv_kernel(const vec4* xv, const vec4* __restrict__ w, unsigned short* y, int n
 #pragma unroll
     for (int r = 0; r < GV_R; ++r) {
         const int col = min(col0 + r, n_out - 1);
+#if GV_ROPE
+        rows[r] = w + (u64)rope_row(col, hd, n_qk) * (u64)kv;
+#else
         rows[r] = w + (u64)col * (u64)kv;
+#endif
 #if GV_SWIGLU
         rows[GV_R + r] = w + (u64)(col + half) * (u64)kv;
 #endif
@@ -218,7 +249,13 @@ gemv_kernel(const vec4* xv, const vec4* __restrict__ w, unsigned short* y, int n
     // the scale(s) of the column this lane stores (lane r * GV_M + m stores column col0 + r; other lanes load
     // an in-bounds one they never use)
     const int scol = min(col0 + min(lane / GV_M, GV_R - 1), n_out - 1);
+#if GV_ROPE
+    // rows in rope order; the partner column (lane ^ 1) of the rotation pair too
+    const float sc_g = load_scale(scale + rope_row(scol, hd, n_qk));
+    const float sc_p = load_scale(scale + rope_row(min(col0 + min(lane ^ 1, GV_R - 1), n_out - 1), hd, n_qk));
+#else
     const float sc_g = load_scale(scale + scol);
+#endif
 #if GV_SWIGLU
     const float sc_u = load_scale(scale + scol + half);
 #endif
@@ -281,6 +318,13 @@ gemv_kernel(const vec4* xv, const vec4* __restrict__ w, unsigned short* y, int n
         }
 #endif
 
+#if GV_ROPE
+    // the token's position and cache row (read after the wait: the previous step's commit wrote them)
+    const long long p = (flags & 1) ? ((const long long*)pos)[0] : (long long)((const int*)pos)[0];
+    const long long crow_v = !(flags & 4) ? 0 : (flags & 2) ? ((const long long*)crow)[0]
+                                                            : (long long)((const int*)crow)[0];
+#endif
+
 #pragma unroll
     for (int r = 0; r < GV_R; ++r) {
         const int col = col0 + r;
@@ -292,10 +336,16 @@ gemv_kernel(const vec4* xv, const vec4* __restrict__ w, unsigned short* y, int n
 #if GV_SWIGLU
                 const float a_u = acc[GV_R + r][m] * sc_u;
 #endif
+#if GV_ROPE
+                const float a_p = acc[r ^ 1][m] * sc_p;
+#endif
 #else
                 const float a_g = acc[r][m];
 #if GV_SWIGLU
                 const float a_u = acc[GV_R + r][m];
+#endif
+#if GV_ROPE
+                const float a_p = acc[r ^ 1][m];
 #endif
 #endif
 #if GV_SWIGLU
@@ -304,6 +354,35 @@ gemv_kernel(const vec4* xv, const vec4* __restrict__ w, unsigned short* y, int n
                 const float up = round_bf16(a_u);
                 const float sg = round_bf16(gt / (1.0f + __expf(-gt)));
                 y[(long long)m * sy + col] = to_bf16(sg * up);
+#elif GV_ROPE
+                // rope_and_append's roundings (HF's bf16 math): the projection rounded, cos / sin rounded, each
+                // product rounded, their sum rounded. Even columns hold x1 = dim i, odd ones x2 = dim i + D/2.
+                // A negative position is padding: q is stored unrotated, the cache left alone (rope_and_append).
+                const float a = round_bf16(a_g);
+                if (p < 0) {
+                    if (col < n_q) y[rope_row(col, hd, n_qk)] = to_bf16(a);
+                } else if (col < n_qk) {
+                    const float b = round_bf16(a_p);
+                    const int head = col / hd;
+                    const int j = col - head * hd;
+                    const int i = j >> 1;
+                    const long long t = p * (hd >> 1) + i;
+                    const float cs = round_bf16(cosb[t]);
+                    const float sn = round_bf16(sinb[t]);
+                    const float o = (r & 1) ? round_bf16(a * cs) + round_bf16(b * sn)    // x2 c + x1 s
+                                            : round_bf16(a * cs) + round_bf16(-(b * sn));  // x1 c - x2 s
+                    const int d = i + (r & 1) * (hd >> 1);
+                    if (col < n_q) {
+                        y[head * hd + d] = to_bf16(o);
+                    } else {
+                        const long long kh = head - n_q / hd;
+                        kc[((crow_v * n_kvh + kh) * max_len + p) * hd + d] = to_bf16(o);
+                    }
+                } else {
+                    const int vcol = col - n_qk;
+                    const int head = vcol / hd;
+                    vc[((crow_v * n_kvh + head) * max_len + p) * hd + (vcol - head * hd)] = to_bf16(a);
+                }
 #else
                 y[(long long)m * sy + col] = to_bf16(a_g);
 #endif

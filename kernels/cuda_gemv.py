@@ -15,6 +15,13 @@ roundings below). An int8 W requires ``scale`` and a bf16 W refuses one; K a mul
 ``gemv_swiglu`` rounds like the unfused path (``skinny_gemm_swiglu``): gate and up rounded to bf16, silu in fp32
 rounded (``g / (1 + exp(-g))`` with the fast exponential, as Triton's ``tl.exp``), product rounded.
 
+``gemv_qkv_rope(x, W, RopeAppend(...))``: the decoder's qkv projection of one token with ``rope.py``'s
+``rope_and_append`` in the epilogue (one launch instead of two): W's rows are q, k, v heads; q and k rotated
+(rotate_half, the same roundings: projection, cos/sin, each product and the sum rounded to bf16), k and v stored
+at the token's slot of its KV cache row, q returned. The warps visit each q/k head's rows as (d, d + D/2) pairs
+(``rope_row`` in the .cu), so both halves of a rotation end in one warp; a negative position is padding (q
+unrotated, the cache untouched). Bit-identical to ``gemv`` + ``rope_and_append`` (same sums per row).
+
 Shape contract: x bf16 and W bf16 (or int8 with ``scale``) on one CUDA device of compute capability >= 9.0
 (``griddepcontrol``); x (..., K)
 with M = prod(leading dims) in {1, 2} (``MAX_M``; more rows: ``skinny_gemm``); its last dim contiguous, rows
@@ -93,8 +100,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GemvConfig", "CONFIGS", "CONFIGS_INT8", "MAX_M", "select", "sweep_configs", "gemv", "gemv_swiglu",
-           "gemv_ref", "gemv_swiglu_ref", "is_available", "prebuild", "get_cubin", "nvrtc_compile"]
+__all__ = ["GemvConfig", "RopeAppend", "CONFIGS", "CONFIGS_INT8", "QKV_ROPE_SHAPES", "MAX_M", "select", "sweep_configs",
+           "default_configs", "rope_config", "gemv", "gemv_swiglu", "gemv_qkv_rope", "gemv_ref", "gemv_swiglu_ref", "gemv_qkv_rope_ref",
+           "is_available", "prebuild", "get_cubin", "nvrtc_compile"]
 
 KERNEL_SRC = Path(__file__).with_name("cuda_gemv.cu")
 MAX_M = 2
@@ -103,6 +111,7 @@ VEC8 = 16  # int8 per 16-byte vector
 REGS_PER_SM = 65536
 MAX_WARPS_PER_SM = 64
 MAX_BLOCKS_PER_SM = 32
+N_ARGS = 21  # gemv_kernel's parameters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +129,7 @@ class GemvConfig:
     prefetch: int = 0  # L2 prefetch size hint of the weight loads: 0, 128 or 256 bytes
     int8: bool = False  # W int8 (16 K elements per 16-byte vector) with per-row fp32 scales
     i2f: bool = False  # int8 only: convert with cvt.rn.f32.s8 (I2F) instead of the magic-number PRMT + FADD
+    rope: bool = False  # the qkv GEMV: RoPE + KV append in the epilogue (rows visited in rotation pairs)
 
     def __post_init__(self):
         checks = [(self.rows >= 1, "rows >= 1"), (1 <= self.warps <= 32, "1 <= warps <= 32"),
@@ -127,7 +137,9 @@ class GemvConfig:
                   (1 <= self.vec <= 32, "1 <= vec <= 32"), (1 <= self.m <= MAX_M, f"1 <= m <= {MAX_M}"),
                   (self.min_blocks >= 0, "min_blocks >= 0"), (self.prefetch in (0, 128, 256), "prefetch 0/128/256"),
                   (self.rows * self.m <= 32, "rows * m <= 32 (one lane stores each)"),
-                  (self.int8 or not self.i2f, "i2f only with int8")]
+                  (self.int8 or not self.i2f, "i2f only with int8"),
+                  (not self.rope or (self.m == 1 and self.rows % 2 == 0 and not self.swiglu),
+                   "rope needs m 1, even rows and no SwiGLU")]
         for ok, what in checks:
             if not ok:
                 raise ValueError(f"GemvConfig: {what}, got {self}")
@@ -183,13 +195,34 @@ class GemvConfig:
         return {"GV_R": str(self.rows), "GV_WARPS": str(self.warps), "GV_KS": str(self.ksplit),
                 "GV_V": str(self.vec), "GV_M": str(self.m), "GV_SWIGLU": str(int(self.swiglu)),
                 "GV_PIPE": str(int(self.pipe)), "GV_MINB": str(self.occupancy()), "GV_PF": str(self.prefetch),
-                "GV_Q8": str(int(self.int8)), "GV_I2F": str(int(self.i2f))}
+                "GV_Q8": str(int(self.int8)), "GV_I2F": str(int(self.i2f)), "GV_ROPE": str(int(self.rope))}
 
     def short(self) -> str:
         return (("int8 " if self.int8 else "") + f"R{self.rows} W{self.warps} KS{self.ksplit} V{self.vec} M{self.m}"
                 + (" swiglu" if self.swiglu else "") + (" i2f" if self.i2f else "")
                 + (" pipe" if self.pipe else "") + (f" pf{self.prefetch}" if self.prefetch else "")
+                + (" rope" if self.rope else "")
                 + f" minb{self.occupancy()}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeAppend:
+    """The qkv GEMV's epilogue (``gemv_qkv_rope``): ``kernels/rope.py``'s ``rope_and_append`` for one token. W's
+    rows are q (n_heads heads), k, v (n_kv_heads each) of ``head_dim``; the token at ``positions`` (one element,
+    int32/int64) gets q and k rotated (``cos``/``sin`` (max_positions, head_dim / 2) fp32 from
+    ``rope.build_rope_cache``), k and v stored at that slot of cache row ``cache_rows`` (one element; None: row 0)
+    of ``k_cache``/``v_cache`` (rows, n_kv_heads, max_len, head_dim) bf16 contiguous; a negative position is
+    padding (q unrotated, the cache untouched)."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    cache_rows: torch.Tensor | None = None
 
 
 # ------------------------------------------------------------------------------------------------ configs
@@ -231,6 +264,24 @@ def _table_int8() -> dict[tuple[int, int, int, bool], GemvConfig]:
 
 # int8 weights (same keys; the lm head stays bf16).
 CONFIGS_INT8: dict[tuple[int, int, int, bool], GemvConfig] = _table_int8()
+
+
+# The decoder's qkv shape (W rows, K): the product launches its RoPE form at one row of x (``gemv_qkv_rope``; bf16
+# weights, models/fast_decoder.py), so ``default_configs`` prebuilds it.
+QKV_ROPE_SHAPES: frozenset[tuple[int, int]] = frozenset({(3072, 2048)})
+
+
+def default_configs() -> list[GemvConfig]:
+    """Every config the product launches: the tables (bf16 and int8) and the RoPE form of the bf16 qkv entry."""
+    out = [*CONFIGS.values(), *CONFIGS_INT8.values()]
+    out += [rope_config(cfg) for (n, k, m, swiglu), cfg in CONFIGS.items()
+            if m == 1 and not swiglu and (n, k) in QKV_ROPE_SHAPES]
+    return list(dict.fromkeys(out))
+
+
+def rope_config(cfg: GemvConfig) -> GemvConfig:
+    """cfg's RoPE + KV append form (``gemv_qkv_rope``): an even number of rows per warp (whole rotation pairs)."""
+    return dataclasses.replace(cfg, rope=True, rows=cfg.rows + cfg.rows % 2)
 
 
 def _heuristic(n_out: int, k: int, m: int, swiglu: bool, int8: bool = False) -> GemvConfig:
@@ -365,11 +416,12 @@ def get_cubin(cfg: GemvConfig, sm: int = 90) -> bytes:
 
 
 def prebuild(configs: list[GemvConfig] | None = None, sm: int = 90, workers: int | None = None) -> list[Path]:
-    """Ahead of time (no GPU needed): compile ``configs`` (default: every ``CONFIGS`` and ``CONFIGS_INT8`` entry)
-    for sm_<sm> into the disk cache, ``workers`` at a time (NVRTC releases the GIL). Returns the cubin paths."""
+    """Ahead of time (no GPU needed): compile ``configs`` (default: ``default_configs()``, the tables and their
+    fused forms) for sm_<sm> into the disk cache, ``workers`` at a time (NVRTC releases the GIL). Returns the
+    cubin paths."""
     from concurrent.futures import ThreadPoolExecutor
 
-    cfgs = list(dict.fromkeys(configs if configs is not None else [*CONFIGS.values(), *CONFIGS_INT8.values()]))
+    cfgs = list(dict.fromkeys(configs if configs is not None else default_configs()))
     with ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1)) as pool:
         list(pool.map(lambda c: get_cubin(c, sm), cfgs))
     return [cubin_path(c, sm) for c in cfgs]
@@ -430,14 +482,15 @@ def _kernel(cfg: GemvConfig, device_index: int) -> _Kernel:
 
 
 class _ThreadState(threading.local):
-    """Per-thread launch scratch: the 9 argument slots, the pointer array to them, and one CUlaunchConfig per
-    (kernel, pdl) whose grid and stream are set per call (the driver copies both at launch / capture)."""
+    """Per-thread launch scratch: the argument slots (one 8-byte slot per kernel parameter; a 4-byte parameter
+    reads its slot's low half), the pointer array to them, and one CUlaunchConfig per (kernel, pdl) whose grid
+    and stream are set per call (the driver copies both at launch / capture)."""
 
     def __init__(self):
         import numpy as np
 
-        self.vals = np.zeros(9, np.uint64)
-        self.ptrs = np.arange(9, dtype=np.uint64) * 8 + np.uint64(self.vals.ctypes.data)
+        self.vals = np.zeros(N_ARGS, np.uint64)
+        self.ptrs = np.arange(N_ARGS, dtype=np.uint64) * 8 + np.uint64(self.vals.ctypes.data)
         self.ptrs_addr = int(self.ptrs.ctypes.data)
         self.configs: dict = {}
 
@@ -496,10 +549,10 @@ def _check_scale(name: str, w: torch.Tensor, scale) -> bool:
     return False
 
 
-def _validate(x, w, out, swiglu: bool, config: GemvConfig | None, scale=None):
+def _validate(x, w, out, swiglu: bool, config: GemvConfig | None, scale=None, rope: RopeAppend | None = None):
     """Checks every argument; returns (x as (M, K) rows 16-byte aligned, out as (M, N) view, out, M, N, K, cfg,
-    int8)."""
-    name = "gemv_swiglu" if swiglu else "gemv"
+    int8). With ``rope`` out holds only the q columns (M, n_heads * head_dim)."""
+    name = "gemv_qkv_rope" if rope is not None else "gemv_swiglu" if swiglu else "gemv"
     for nm, t in (("x", x), ("W", w)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: {nm} must be a torch.Tensor, got {type(t).__name__}")
@@ -524,16 +577,12 @@ def _validate(x, w, out, swiglu: bool, config: GemvConfig | None, scale=None):
         raise ValueError(f"{name}: unsupported {err}")
     if int8 and scale.data_ptr() % 4:
         raise ValueError(f"{name}: scale's data must be 4-byte aligned")
-    for nm, t in (("x", x), ("W", w)):
-        if t.device.type != "cuda":
-            raise ValueError(f"{name}: {nm} must be a CUDA tensor, got device {t.device}")
-    if x.device != w.device:
-        raise ValueError(f"{name}: x is on {x.device}, W on {w.device}")
     x2 = x.reshape(m, k)
     if x2.stride(-1) != 1 or x2.data_ptr() % 16 or (m > 1 and x2.stride(0) % VEC):
         x2 = x2.clone(memory_format=torch.contiguous_format)
     n = nw // 2 if swiglu else nw
-    oshape = (*x.shape[:-1], n)
+    n_store = rope.n_heads * rope.head_dim if rope is not None else n
+    oshape = (*x.shape[:-1], n_store)
     if out is None:
         out = torch.empty(oshape, device=x.device, dtype=torch.bfloat16)
     else:
@@ -544,18 +593,60 @@ def _validate(x, w, out, swiglu: bool, config: GemvConfig | None, scale=None):
         if out.stride(-1) != 1 and n > 1:
             raise ValueError(f"{name}: out must have a contiguous last dim")
     try:
-        out2 = out.view(m, n)
+        out2 = out.view(m, n_store)
     except RuntimeError as e:
-        raise ValueError(f"{name}: out must be viewable as ({m}, {n})") from e
-    cfg = config if config is not None else select(nw, k, swiglu, m, int8)
-    if cfg.m != m or cfg.swiglu != swiglu or cfg.int8 != int8:
-        raise ValueError(f"{name}: config {cfg.short()} is for m={cfg.m}, swiglu={cfg.swiglu}, int8={cfg.int8}; "
-                         f"the call has m={m}, swiglu={swiglu}, int8={int8} (W {w.dtype})")
+        raise ValueError(f"{name}: out must be viewable as ({m}, {n_store})") from e
+    if rope is not None:
+        if m != 1:
+            raise ValueError(f"{name}: one token: x must have one row, got M = {m}")
+        _check_rope(name, rope, nw, x.device)
+    if config is None:
+        cfg = select(nw, k, swiglu, m, int8)
+        cfg = rope_config(cfg) if rope is not None else cfg
+    else:
+        cfg = config
+    if cfg.m != m or cfg.swiglu != swiglu or cfg.int8 != int8 or cfg.rope != (rope is not None):
+        raise ValueError(f"{name}: config {cfg.short()} is for m={cfg.m}, swiglu={cfg.swiglu}, int8={cfg.int8}, "
+                         f"rope={cfg.rope}; the call has m={m}, swiglu={swiglu}, int8={int8} (W {w.dtype}), "
+                         f"rope={rope is not None}")
+    for nm, t in (("x", x), ("W", w)):
+        if t.device.type != "cuda":
+            raise ValueError(f"{name}: {nm} must be a CUDA tensor, got device {t.device}")
+    if x.device != w.device:
+        raise ValueError(f"{name}: x is on {x.device}, W on {w.device}")
     return x2, out2, out, m, n, k, cfg, int8
 
 
-def _run(x, w, out, swiglu: bool, config: GemvConfig | None, pdl: bool | None, scale=None):
-    x2, out2, out, m, n, k, cfg, int8 = _validate(x, w, out, swiglu, config, scale)
+def _check_rope(name: str, rope: RopeAppend, nw: int, device) -> None:
+    if not isinstance(rope, RopeAppend):
+        raise ValueError(f"{name}: rope must be a RopeAppend")
+    hd, nq, nk = rope.head_dim, rope.n_heads, rope.n_kv_heads
+    if nw != (nq + 2 * nk) * hd:
+        raise ValueError(f"{name}: W has {nw} rows; q, k and v of {nq} + {nk} + {nk} heads of {hd} need "
+                         f"{(nq + 2 * nk) * hd}")
+    for nm, t, dt in (("positions", rope.positions, (torch.int32, torch.int64)),
+                      ("cache_rows", rope.cache_rows, (torch.int32, torch.int64)),
+                      ("cos", rope.cos, (torch.float32,)), ("sin", rope.sin, (torch.float32,)),
+                      ("k_cache", rope.k_cache, (torch.bfloat16,)), ("v_cache", rope.v_cache, (torch.bfloat16,))):
+        if t is None and nm == "cache_rows":
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype not in dt or t.device != device:
+            raise ValueError(f"{name}: {nm} must be a {' or '.join(map(str, dt))} tensor on {device}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} on {getattr(t, 'device', '-')}")
+    if rope.positions.numel() != 1 or (rope.cache_rows is not None and rope.cache_rows.numel() != 1):
+        raise ValueError(f"{name}: one token: positions (and cache_rows) must hold one element")
+    for nm, t in (("cos", rope.cos), ("sin", rope.sin)):
+        if t.dim() != 2 or t.shape[1] != hd // 2 or not t.is_contiguous():
+            raise ValueError(f"{name}: {nm} must be a contiguous (max_positions, {hd // 2}) table")
+    for nm, t in (("k_cache", rope.k_cache), ("v_cache", rope.v_cache)):
+        if t.dim() != 4 or t.shape[1] != nk or t.shape[3] != hd or not t.is_contiguous():
+            raise ValueError(f"{name}: {nm} must be a contiguous (rows, {nk}, max_len, {hd}) tensor, got "
+                             f"{tuple(t.shape)}")
+
+
+def _run(x, w, out, swiglu: bool, config: GemvConfig | None, pdl: bool | None, scale=None,
+         rope: RopeAppend | None = None):
+    x2, out2, out, m, n, k, cfg, int8 = _validate(x, w, out, swiglu, config, scale, rope)
     dev = x.device
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     if _device_sm(idx) < 90:
@@ -566,6 +657,7 @@ def _run(x, w, out, swiglu: bool, config: GemvConfig | None, pdl: bool | None, s
     lc.gridDimX = -(-n // cfg.block_cols)
     lc.hStream = torch.cuda.current_stream(dev).cuda_stream
     vals = _tls.vals
+    vals[:] = 0
     vals[0] = x2.data_ptr()
     vals[1] = w.data_ptr()
     vals[2] = out2.data_ptr()
@@ -575,6 +667,21 @@ def _run(x, w, out, swiglu: bool, config: GemvConfig | None, pdl: bool | None, s
     vals[6] = out2.stride(0) if m > 1 else 0
     vals[7] = n if swiglu else 0
     vals[8] = scale.data_ptr() if int8 else 0
+    if rope is not None:
+        rows = rope.cache_rows
+        vals[9] = rope.positions.data_ptr()
+        vals[10] = rows.data_ptr() if rows is not None else 0
+        vals[11] = ((rope.positions.dtype == torch.int64) | (rows is not None and rows.dtype == torch.int64) << 1
+                    | (rows is not None) << 2)
+        vals[12] = rope.cos.data_ptr()
+        vals[13] = rope.sin.data_ptr()
+        vals[14] = rope.k_cache.data_ptr()
+        vals[15] = rope.v_cache.data_ptr()
+        vals[16] = rope.head_dim
+        vals[17] = rope.n_heads * rope.head_dim
+        vals[18] = (rope.n_heads + rope.n_kv_heads) * rope.head_dim
+        vals[19] = rope.k_cache.shape[2]
+        vals[20] = rope.n_kv_heads
     from cuda.bindings import driver
 
     err = driver.cuLaunchKernelEx(lc, kern.fn, _tls.ptrs_addr, 0)[0]
@@ -599,6 +706,14 @@ def gemv_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     return _run(x, w, out, True, config, pdl, scale)
 
 
+def gemv_qkv_rope(x: torch.Tensor, w: torch.Tensor, rope: RopeAppend, out: torch.Tensor | None = None,
+                  config: GemvConfig | None = None, pdl: bool | None = None,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
+    """One token's attention input in one launch: qkv = x @ W^T, then ``rope_and_append`` (``RopeAppend``):
+    returns the rotated q (..., n_heads * head_dim); k and v go to the cache only. x (..., K) with one row."""
+    return _run(x, w, out, False, config, pdl, scale, rope)
+
+
 def gemv_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
              scale: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T in fp32 on the given inputs, rounded once to x's dtype (``skinny_gemm_ref``; an int8 W with its
@@ -615,6 +730,23 @@ def gemv_swiglu_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None =
     from .skinny_gemm import skinny_gemm_swiglu_ref
 
     return skinny_gemm_swiglu_ref(x, w, out, scale=scale)
+
+
+def gemv_qkv_rope_ref(x: torch.Tensor, w: torch.Tensor, rope: RopeAppend, out: torch.Tensor | None = None,
+                      scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``gemv_ref`` then ``rope_and_append_ref`` (the cache updated in place); returns the rotated q."""
+    from .rope import rope_and_append_ref
+
+    nq, nk, d = rope.n_heads, rope.n_kv_heads, rope.head_dim
+    qkv = gemv_ref(x, w, scale=scale).reshape(1, 1, -1)
+    q = qkv[..., : nq * d].reshape(1, 1, nq, d)
+    k = qkv[..., nq * d:(nq + nk) * d].reshape(1, 1, nk, d)
+    v = qkv[..., (nq + nk) * d:].reshape(1, 1, nk, d)
+    rows = None if rope.cache_rows is None else rope.cache_rows.reshape(1)
+    qo, _ = rope_and_append_ref(q, k, v, rope.positions.reshape(1, 1), rope.cos, rope.sin, rope.k_cache,
+                                rope.v_cache, rows)
+    qo = qo.reshape(*x.shape[:-1], nq * d)
+    return qo if out is None else out.copy_(qo)
 
 
 if __name__ == "__main__":  # python -m glmasr_kernels.cuda_gemv [sm]: prebuild the table's cubins (no GPU needed)

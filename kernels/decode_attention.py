@@ -18,6 +18,10 @@ Two launch modes, chosen by ``choose_num_splits(B, Hk, max_len, n_sms)`` unless 
 * split-KV (flash decoding): grid (B, Hk, S); program s covers positions [s*C, (s+1)*C) (C a multiple of
   BLOCK_N, fixed by max_len), writes a partial normalised output and its log-sum-exp (fp32), then a reduction
   kernel (grid (B, Hq)) combines the S partials. Programs past a sequence's length write an empty partial.
+  With ``counters`` (caller-owned zeroed int32, ``new_counters``) and at most ``COMBINE_IN_KERNEL_MAX_SPLITS``
+  splits there is no second kernel: each program bumps its (sequence, kv head) counter after storing its
+  partial, and the one that arrives last combines the S partials of its heads (fixed order: deterministic) and
+  resets the counter.
 Both kernels launch with PDL on sm_90+ (``_triton_utils.pdl_launch``; they wait before touching anything).
 """
 
@@ -31,7 +35,7 @@ import triton.language as tl
 
 from ._triton_utils import cdiv, check_device, interpreting, next_pow2, num_sms, pdl_begin, pdl_launch, pdl_wait
 
-__all__ = ["decode_attention", "decode_attention_ref", "choose_num_splits"]
+__all__ = ["decode_attention", "decode_attention_ref", "choose_num_splits", "new_counters"]
 
 _LOG2E = 1.4426950408889634
 
@@ -58,6 +62,11 @@ def decode_attention_ref(q, k_cache, v_cache, lengths, max_len=None, cache_rows=
 # 1.233 / 1.287, 64 positions 1.123 / 1.120 / 1.183 / 1.308 (66 splits at 8184: the combine grows); at most 32
 # splits keeps 8184 at 256 positions per program.
 MIN_CHUNK = 64
+# The in-kernel combine (``counters=``) for launches of at most this many splits; more go to the combine kernel,
+# whose (B, Hq) programs read the partials in parallel where the last split program reads them one after another
+# (H200, batch 1, notes/measurements.md, eleventh session: 4 splits -0.034 ms per step, 8-32 splits +0.03 to
+# +0.08 ms).
+COMBINE_IN_KERNEL_MAX_SPLITS = 4
 MAX_SPLITS = 32
 
 
@@ -72,6 +81,12 @@ def choose_num_splits(batch: int, n_kv_heads: int, max_len: int, n_sms: int, blo
     min_chunk = MIN_CHUNK if min_chunk is None else min_chunk
     max_splits = max(1, min(MAX_SPLITS, cdiv(max_len, max(min_chunk, block_n))))
     return max(1, min(max_splits, cdiv(2 * n_sms, ctas)))
+
+
+def new_counters(device, n: int = 4096) -> torch.Tensor:
+    """The zeroed int32 counters ``decode_attention(counters=)`` needs for up to n (sequence, kv head) pairs.
+    Allocate once, outside any CUDA graph capture; the kernel leaves them zero after each launch."""
+    return torch.zeros(n, dtype=torch.int32, device=device)
 
 
 @triton.jit
@@ -137,12 +152,44 @@ def _attend_split(Q, q_off, hmask, kbase, vbase, skn, svn, raw_length, max_len, 
 
 
 @triton.jit
-def _decode_attn_kernel(Q, K, V, LENS, ROWS, O, OP, LSE, max_len, chunk, n_splits, qk_scale,
+def _combine_last(OP, LSE, O, CNT, cnt_idx, n_splits, prow0, hmask, hdmask, o_ptrs,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, S_P2: tl.constexpr):
+    """The in-kernel combine: the split program that finishes last for its (sequence, kv head) merges the
+    S partials of its query heads (rows prow0 + s of OP / LSE) and writes the output. Every program's partials
+    were stored before its counter increment (a CTA barrier, then one acq_rel atomic: release of the whole
+    CTA's stores, as in a split-K semaphore); the last one, after its acquire, reads them past L1 (.cg) and
+    resets the counter for the next launch."""
+    tl.debug_barrier()
+    done = tl.atomic_add(CNT + cnt_idx, 1, sem="acq_rel", scope="gpu")
+    if done == n_splits - 1:
+        tl.debug_barrier()
+        offs_s = tl.arange(0, S_P2)
+        smask = offs_s < n_splits
+        lses = tl.load(LSE + prow0[:, None] + offs_s[None, :], mask=hmask[:, None] & smask[None, :],
+                       other=float("-inf"), cache_modifier=".cg")
+        mx = tl.max(lses, axis=1)
+        w = tl.where(lses > float("-inf"), tl.math.exp2(lses - mx[:, None]), 0.0)
+        den = tl.sum(w, axis=1)
+        offs_d = tl.arange(0, BLOCK_D)
+        num = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for s in tl.static_range(S_P2):
+            o_s = tl.load(OP + (prow0 + s)[:, None] * D + offs_d[None, :], mask=hdmask & (s < n_splits), other=0.0,
+                          cache_modifier=".cg")
+            w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), axis=1)
+            num += o_s * w_s[:, None]
+        res = tl.where(den[:, None] > 0.0, num / tl.where(den > 0.0, den, 1.0)[:, None], 0.0)
+        tl.store(o_ptrs, res.to(O.dtype.element_ty), mask=hdmask)
+        tl.atomic_xchg(CNT + cnt_idx, 0)
+
+
+@triton.jit
+def _decode_attn_kernel(Q, K, V, LENS, ROWS, O, OP, LSE, CNT, max_len, chunk, n_splits, qk_scale,
                         sqb, sqh, skb, skh, skn, svb, svh, svn, sob, soh,
                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_N: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_ROWS: tl.constexpr, NUM_STAGES: tl.constexpr,
-                        DOT_PREC: tl.constexpr, STATIC_ITERS: tl.constexpr, PDL: tl.constexpr):
+                        DOT_PREC: tl.constexpr, STATIC_ITERS: tl.constexpr, PDL: tl.constexpr,
+                        FUSED_COMBINE: tl.constexpr = False, S_P2: tl.constexpr = 1):
     pdl_begin(PDL)
     pdl_wait(PDL)
     b = tl.program_id(0)
@@ -164,14 +211,18 @@ def _decode_attn_kernel(Q, K, V, LENS, ROWS, O, OP, LSE, max_len, chunk, n_split
                              BLOCK_H, D, BLOCK_D, BLOCK_N, NUM_STAGES, DOT_PREC, STATIC_ITERS)
     offs_d = tl.arange(0, BLOCK_D)
     hdmask = hmask[:, None] & (offs_d < D)[None, :]
+    o_ptrs = O + b.to(tl.int64) * sob + heads[:, None] * soh + offs_d[None, :]
     if SPLIT:
         # partials: OP (B, HQ, S, D) fp32, LSE (B, HQ, S) fp32 (log2 domain; -inf when empty)
-        prow = (b.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * n_splits + s_id
+        prow0 = (b.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * n_splits
+        prow = prow0 + s_id
         tl.store(OP + prow[:, None] * D + offs_d[None, :], out, mask=hdmask)
         tl.store(LSE + prow, lse, mask=hmask)
+        if FUSED_COMBINE:
+            _combine_last(OP, LSE, O, CNT, b * tl.num_programs(1) + kvh, n_splits, prow0, hmask, hdmask, o_ptrs,
+                          BLOCK_H, BLOCK_D, D, S_P2)
     else:
-        tl.store(O + b.to(tl.int64) * sob + heads[:, None] * soh + offs_d[None, :],
-                 out.to(O.dtype.element_ty), mask=hdmask)
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=hdmask)
 
 
 @triton.jit
@@ -197,8 +248,11 @@ def _combine_kernel(OP, LSE, O, n_splits, sob, soh, HQ,
 
 def decode_attention(q, k_cache, v_cache, lengths, max_len: int | None = None, cache_rows=None,
                      sm_scale: float | None = None, num_splits: int | None = None, block_n: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None, out=None):
-    """See the module docstring. Returns ``out`` (B, Hq, D) in q's dtype."""
+                     num_warps: int | None = None, num_stages: int | None = None, out=None, counters=None):
+    """See the module docstring. Returns ``out`` (B, Hq, D) in q's dtype. ``counters``: an int32 tensor of at
+    least B * Hk zeros on q's device, owned by the caller and used by one stream at a time (``new_counters``): a
+    launch of at most ``COMBINE_IN_KERNEL_MAX_SPLITS`` splits then combines in its last program per (sequence, kv
+    head) instead of a second kernel, and leaves the counters zero again."""
     check_device(q, k_cache, v_cache, lengths, cache_rows)
     B, HQ, D = q.shape
     _, HK, LBUF, DK = k_cache.shape
@@ -210,6 +264,11 @@ def decode_attention(q, k_cache, v_cache, lengths, max_len: int | None = None, c
         raise ValueError("unit stride in head_dim required")
     if k_cache.dtype != v_cache.dtype:
         raise ValueError("k_cache and v_cache dtypes differ")
+    if counters is not None and (not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32
+                                 or counters.device != q.device or counters.numel() < B * HK
+                                 or not counters.is_contiguous()):
+        raise ValueError(f"counters must be a contiguous int32 tensor of at least B * Hk = {B * HK} elements on "
+                         f"{q.device} (decode_attention.new_counters)")
     max_len = LBUF if max_len is None else int(max_len)
     if max_len > LBUF:
         raise ValueError(f"max_len {max_len} > cache capacity {LBUF}")
@@ -241,16 +300,19 @@ def decode_attention(q, k_cache, v_cache, lengths, max_len: int | None = None, c
                   STATIC_ITERS=cdiv(chunk, block_n) if interp else 0, **pdl_launch(q.device))
     if n_splits == 1:
         _decode_attn_kernel[(B, HK, 1)](
-            q, k_cache, v_cache, lengths, rows, out, out, out, max_len, chunk, 1, qk_scale,
+            q, k_cache, v_cache, lengths, rows, out, out, out, lengths, max_len, chunk, 1, qk_scale,
             q.stride(0), q.stride(1), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], out.stride(0), out.stride(1),
             SPLIT=False, **common)
         return out
     op = torch.empty((B, HQ, n_splits, D), device=q.device, dtype=torch.float32)
     lse = torch.empty((B, HQ, n_splits), device=q.device, dtype=torch.float32)
+    fused = counters is not None and n_splits <= COMBINE_IN_KERNEL_MAX_SPLITS
     _decode_attn_kernel[(B, HK, n_splits)](
-        q, k_cache, v_cache, lengths, rows, out, op, lse, max_len, chunk, n_splits, qk_scale,
-        q.stride(0), q.stride(1), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], out.stride(0), out.stride(1),
-        SPLIT=True, **common)
+        q, k_cache, v_cache, lengths, rows, out, op, lse, counters if fused else lengths, max_len, chunk, n_splits,
+        qk_scale, q.stride(0), q.stride(1), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], out.stride(0), out.stride(1),
+        SPLIT=True, FUSED_COMBINE=fused, S_P2=next_pow2(n_splits) if fused else 1, **common)
+    if fused:
+        return out
     _combine_kernel[(B, HQ)](op, lse, out, n_splits, out.stride(0), out.stride(1), HQ,
                              D=D, S_P2=next_pow2(n_splits), num_warps=4, **pdl_launch(q.device))
     return out

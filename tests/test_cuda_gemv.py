@@ -109,16 +109,21 @@ CPU_CONFIGS_INT8 = list(dict.fromkeys([cg.CONFIGS_INT8[(n, k, 1, sw)] for n, k, 
                                          GemvConfig(rows=2, warps=4, vec=4, int8=True, i2f=True)]))
 
 
+# the qkv GEMV's RoPE + KV append form, bf16 (shipped) and int8
+CPU_CONFIGS_FUSED = [c for c in cg.default_configs() if c.rope] + [cg.rope_config(cg.CONFIGS_INT8[(3072, 2048, 1, False)])]
+
+
 @needs_nvrtc
 @pytest.mark.skipif(_cuobjdump() is None, reason="cuobjdump (shipped in Triton's wheel) not found")
-@pytest.mark.parametrize("cfg", CPU_CONFIGS + CPU_CONFIGS_INT8, ids=lambda c: c.short().replace(" ", "_"))
+@pytest.mark.parametrize("cfg", CPU_CONFIGS + CPU_CONFIGS_INT8 + CPU_CONFIGS_FUSED,
+                         ids=lambda c: c.short().replace(" ", "_"))
 def test_config_compiles_sm90_without_spills(cfg):
     regs, stack, ldg_before_wait = _compiled(cfg)
     assert stack == 0, f"{cfg.short()}: {stack} bytes of local memory (spills)"
     assert regs <= cfg.reg_budget(), f"{cfg.short()}: {regs} registers > {cfg.reg_budget()} at {cfg.occupancy()} blocks"
     # the whole first chunk of weights is requested before griddepcontrol.wait (ptxas sinks .nc loads below it);
     # int8: so are the row scales the lane stores with (gate and up for SwiGLU)
-    scales = (2 if cfg.swiglu else 1) if cfg.int8 else 0
+    scales = (2 if cfg.swiglu or cfg.rope else 1) if cfg.int8 else 0  # rope: the rotation partner's scale too
     assert ldg_before_wait == cfg.weight_rows * cfg.vec + scales, (cfg.short(), ldg_before_wait)
 
 
@@ -177,12 +182,23 @@ def test_select_and_configs_int8():
     assert cg.select(64, 8, int8=True) is None
 
 
-def test_prebuild_default_covers_int8(monkeypatch):
+def test_prebuild_default_covers_int8_and_the_fused_forms(monkeypatch):
     built = []
     monkeypatch.setattr(cg, "get_cubin", lambda cfg, sm=90: built.append(cfg))
     monkeypatch.setattr(cg, "cubin_path", lambda cfg, sm=90: cfg)
     cg.prebuild(sm=90, workers=1)
-    assert sorted(map(repr, built)) == sorted(map(repr, set(cg.CONFIGS.values()) | set(cg.CONFIGS_INT8.values())))
+    fused = {cg.rope_config(cg.CONFIGS[(n, k, 1, False)]) for n, k in cg.QKV_ROPE_SHAPES}
+    assert len(fused) == 1 and all(c.rope and c.rows % 2 == 0 for c in fused)
+    assert sorted(map(repr, built)) == sorted(map(repr, set(cg.CONFIGS.values()) | set(cg.CONFIGS_INT8.values())
+                                                  | fused))
+
+
+def test_rope_form_needs_whole_rotation_pairs():
+    for bad in (dict(rows=1), dict(rows=2, m=2), dict(rows=2, swiglu=True)):
+        with pytest.raises(ValueError, match="rope needs"):
+            GemvConfig(rope=True, **bad)
+    assert cg.rope_config(GemvConfig(rows=1)).rows == 2 and cg.rope_config(GemvConfig(rows=4)).rows == 4
+    assert cg.rope_config(GemvConfig(rows=2)).macros()["GV_ROPE"] == "1"
 
 
 def test_argument_errors():
@@ -226,6 +242,40 @@ def test_argument_errors_int8():
         (lambda: cg.gemv(x, q[:, :32], scale=sc), "W must be contiguous"),
         (lambda: cg.gemv_swiglu(x, q[:63].contiguous(), scale=sc[:63]), "even for SwiGLU"),
         (lambda: cg.gemv(x, q, scale=sc), "must be a CUDA tensor"),  # everything else valid
+    ]
+    for fn, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            fn()
+
+
+def _rope_args(nq=2, nk=1, d=8, rows=2, max_len=16, positions=None, **over):
+    kw = dict(positions=torch.tensor([3]) if positions is None else positions, cos=torch.randn(max_len, d // 2),
+              sin=torch.randn(max_len, d // 2), k_cache=torch.randn(rows, nk, max_len, d).to(BF),
+              v_cache=torch.randn(rows, nk, max_len, d).to(BF), n_heads=nq, n_kv_heads=nk, head_dim=d)
+    kw.update(over)
+    return cg.RopeAppend(**kw)
+
+
+def test_argument_errors_rope():
+    """rope= is checked before the device (so on the CPU too), naming its problem."""
+    x = torch.randn(1, 64).to(BF)
+    w = torch.randn(64, 64).to(BF)
+    wqkv = torch.randn(32, 64).to(BF)  # 2 + 1 + 1 heads of 8
+    cases = [
+        (lambda: cg.gemv_qkv_rope(x, w, _rope_args()), "W has 64 rows; q, k and v of 2 \\+ 1 \\+ 1 heads"),
+        (lambda: cg.gemv_qkv_rope(x, wqkv, _rope_args(positions=torch.tensor([3, 4]))), "one token"),
+        (lambda: cg.gemv_qkv_rope(x, wqkv, _rope_args(positions=torch.tensor([3.0]))), "positions must be a"),
+        (lambda: cg.gemv_qkv_rope(x, wqkv, _rope_args(cache_rows=torch.tensor([0.0]))), "cache_rows must be a"),
+        (lambda: cg.gemv_qkv_rope(x, wqkv, _rope_args(cos=torch.randn(16, 8))), r"cos must be a contiguous"),
+        (lambda: cg.gemv_qkv_rope(x, wqkv, _rope_args(k_cache=torch.randn(2, 1, 16, 8).to(BF).transpose(2, 3)
+                                                      .contiguous().transpose(2, 3))), "k_cache must be a contiguous"),
+        (lambda: cg.gemv_qkv_rope(x, wqkv, _rope_args(v_cache=torch.randn(2, 1, 16, 8))), "v_cache must be a"),
+        (lambda: cg.gemv_qkv_rope(torch.randn(2, 64).to(BF), wqkv, _rope_args()), "one token: x must have one row"),
+        (lambda: cg.gemv_qkv_rope(x, wqkv, _rope_args(), out=torch.empty(1, 32).to(BF)), r"out must be a \(1, 16\)"),
+        (lambda: cg.gemv_qkv_rope(x, wqkv, _rope_args(), config=GemvConfig(rows=2)), "rope=False; the call has"),
+        (lambda: cg.gemv(x, wqkv, config=cg.rope_config(GemvConfig())), "rope=True; the call has"),
+        # everything else valid: the device is the problem
+        (lambda: cg.gemv_qkv_rope(x, wqkv, _rope_args(cache_rows=torch.tensor([1]))), "must be a CUDA tensor"),
     ]
     for fn, msg in cases:
         with pytest.raises(ValueError, match=msg):
@@ -500,6 +550,73 @@ def test_pdl_chain_in_cuda_graph():
         ref3 = skinny_gemm_ref(y2, w_d).float()
         assert torch.isfinite(y3.float()).all()
         assert ((y3.float() - ref3).abs() <= 2 ** -7 * ref3.abs() + 1e-4).all()
+
+
+# ------------------------------------------------------------------------------------------------ GPU: RoPE form
+# gemv_qkv_rope against gemv_ref + rope_and_append_ref. RoPE rounds the projection, each product and the sum like
+# rope_and_append: where the projection's sum lands one ulp away from the fp64-exact reference's rounding (the
+# GEMV tolerance above), the rotated value moves by about one ulp: the SwiGLU bounds (3 ulps + 1e-3), >= 90 % of
+# the elements bit-identical. (Against the unfused CUDA path, gemv + rope_and_append, it is bit-identical:
+# tests/test_fused_decode_step.py.)
+
+
+def _quant_or_bf16(n, k, int8):
+    if int8:
+        return _quant(n, k)
+    return _rand(n, k, scale=k ** -0.5), None
+
+
+def _rope_case(int8, pos_value, pos_dtype, row):
+    """The decoder's qkv shape (16 q + 4 k + 4 v heads of 128): fused vs the reference on cloned random caches."""
+    from glmasr_kernels.rope import build_rope_cache
+
+    nq, nk, d, rows, max_len = 16, 4, 128, 3, 8192
+    n, k = (nq + 2 * nk) * d, 2048
+    x = _rand(1, k)
+    w, sc = _quant_or_bf16(n, k, int8)
+    cos, sin = build_rope_cache(d, max_len, 10000.0, device="cuda")
+    kc, vc = _rand(rows, nk, max_len, d), _rand(rows, nk, max_len, d)  # random, never zeros: untouched slots stay
+    pos = torch.tensor([pos_value], device="cuda", dtype=pos_dtype)
+    crow = None if row is None else torch.tensor([row], device="cuda", dtype=torch.int32)
+    got_k, got_v = kc.clone(), vc.clone()
+    rope = cg.RopeAppend(pos, cos, sin, got_k, got_v, nq, nk, d, crow)
+    q = torch.full((1, nq * d), float("nan"), device="cuda", dtype=BF)
+    assert cg.gemv_qkv_rope(x, w, rope, out=q, scale=sc) is q
+    torch.cuda.synchronize()
+    want_k, want_v = kc.clone(), vc.clone()
+    want_q = cg.gemv_qkv_rope_ref(x, w, dataclasses.replace(rope, k_cache=want_k, v_cache=want_v), scale=sc)
+    return q, want_q, (got_k, got_v), (want_k, want_v), (kc, vc), pos_value, (0 if row is None else row)
+
+
+def _close_rotated(o, ref):
+    o, ref = o.double(), ref.double()
+    assert torch.isfinite(o).all(), "unwritten (NaN) or non-finite outputs"
+    assert ((o - ref).abs() <= 3 * 2 ** -7 * ref.abs() + 1e-3).all(), (o - ref).abs().max().item()
+    assert (o == ref).float().mean().item() >= 0.90
+
+
+@gpu
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("pos_value,pos_dtype,row", [(0, torch.int64, None), (777, torch.int32, 2),
+                                                      (8191, torch.int64, 1)])
+def test_qkv_rope_append(int8, pos_value, pos_dtype, row):
+    q, want_q, got, want, before, p, r = _rope_case(int8, pos_value, pos_dtype, row)
+    _close_rotated(q, want_q)
+    for g, wnt, b in zip(got, want, before):
+        # only slot p of row r changed, and it holds the rotated k / the v of this token
+        mask = torch.ones(b.shape[0], b.shape[2], dtype=torch.bool, device="cuda")
+        mask[r, p] = False
+        assert torch.equal(g.permute(0, 2, 1, 3)[mask], b.permute(0, 2, 1, 3)[mask]), "another slot was written"
+        _close_rotated(g[r, :, p], wnt[r, :, p])
+        assert not torch.equal(g[r, :, p], b[r, :, p])
+
+
+@gpu
+def test_qkv_rope_negative_position_is_padding():
+    q, want_q, got, want, before, _, _ = _rope_case(False, -1, torch.int64, None)
+    _close_rotated(q, want_q)  # unrotated q (rope_and_append leaves padding tokens alone)
+    for g, b in zip(got, before):
+        assert torch.equal(g, b), "a padding token wrote the cache"
 
 
 if __name__ == "__main__":

@@ -307,6 +307,67 @@ def test_decode_attention_small_head_dim(D):
         close(out, decode_attention_ref(q, kc, vc, lens, L), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [2, 3, 4])
+def test_decode_attention_in_kernel_combine(dtype, num_splits, monkeypatch):
+    """counters=: the split programs combine in the last one (no second kernel): the reference's result, close to
+    the two-kernel combine, zero-length rows 0, remapped cache rows, and the counters zero again after each call
+    (reused across calls, as the decoder does across layers and steps)."""
+    from glmasr_kernels import decode_attention as da
+    from glmasr_kernels.decode_attention import new_counters
+
+    monkeypatch.setattr(da, "COMBINE_IN_KERNEL_MAX_SPLITS", 4)
+    # 16-position tiles under the interpreter, 64 on the GPU: a context long enough for every split to hold some
+    B, HQ, HK, D = 4, 8, 2, 32
+    L = 300 if DEV == "cuda" else 70
+    q, kc, vc, lens = _attn_inputs(B, HQ, HK, D, L + 20, dtype, seed=60 + num_splits, lengths=[1, L, 0, L // 2])
+    rows = torch.tensor([4, 0, 2, 1], device=DEV)
+    counters = new_counters(DEV, 16)
+    ref = decode_attention_ref(q, kc, vc, lens, L, cache_rows=rows)
+    two = decode_attention(q, kc, vc, lens, L, cache_rows=rows, num_splits=num_splits)
+    for _ in range(2):
+        out = torch.full((B, HQ, D), float("nan"), device=DEV, dtype=dtype)
+        decode_attention(q, kc, vc, lens, L, cache_rows=rows, num_splits=num_splits, out=out, counters=counters)
+        close(out, ref, dtype)
+        close(out, two, dtype)
+        assert torch.equal(out[2], torch.zeros_like(out[2]))
+        assert not counters.any(), "the last program of each (sequence, kv head) resets its counter"
+
+
+def test_decode_attention_in_kernel_combine_only_for_few_splits(monkeypatch):
+    """More splits than COMBINE_IN_KERNEL_MAX_SPLITS go to the combine kernel (the counters stay unused)."""
+    from glmasr_kernels import decode_attention as da
+
+    calls = []
+    real = da._combine_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(da, "_combine_kernel", Spy())
+    q, kc, vc, lens = _attn_inputs(2, 4, 2, 16, 400, torch.float32, seed=71, lengths=[400, 99])
+    counters = da.new_counters(DEV, 8)
+    ref = decode_attention_ref(q, kc, vc, lens, 400)
+    # 400 positions: 4 splits of 100 (GPU: 128-position chunks) and 7 of 58 (64): the launcher rounds chunks up to
+    # whole tiles, so the split counts asked for are the ones launched on either device
+    assert da.COMBINE_IN_KERNEL_MAX_SPLITS == 4
+    for ns, want in ((4, 0), (7, 1)):
+        calls.clear()
+        close(decode_attention(q, kc, vc, lens, 400, num_splits=ns, counters=counters), ref, torch.float32)
+        assert len(calls) == want and not counters.any()
+
+
+def test_decode_attention_counters_are_checked():
+    from glmasr_kernels.decode_attention import new_counters
+
+    q, kc, vc, lens = _attn_inputs(3, 4, 2, 16, 40, torch.float32, seed=70, lengths=[40, 3, 11])
+    for bad in (new_counters(DEV, 5), new_counters(DEV, 8).long(), [0] * 8, new_counters(DEV, 16)[::2]):
+        with pytest.raises(ValueError, match="counters must be a contiguous int32 tensor of at least B \\* Hk = 6"):
+            decode_attention(q, kc, vc, lens, 40, counters=bad)
+
+
 def test_choose_num_splits():
     assert choose_num_splits(64, 4, 4096, 132) >= 1
     assert choose_num_splits(1, 4, 8192, 132) > 8

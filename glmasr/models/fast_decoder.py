@@ -3,9 +3,11 @@
 - ``forward`` (``FastGlmAsrModel.decode``): the decoder over (B, T) embeddings. A decode step (T == 1): per
   layer RMSNorm (``kernels/rmsnorm.py``, the residual add fused into the next one), the fused qkv GEMV, RoPE +
   KV append in one launch (``kernels/rope.py``), decode attention straight from the KV buffer with
-  per-sequence lengths (``kernels/decode_attention.py``), o_proj, the gate|up GEMV fused with SwiGLU and
+  per-sequence lengths (``kernels/decode_attention.py``; split launches combine in-kernel through
+  ``attn_counters``), o_proj, the gate|up GEMV fused with SwiGLU and
   down_proj, every GEMM on ``kernels/skinny_gemm.py`` (its dispatchers pick cuBLAS where the table says so or
-  above 16 rows). A prefill from slot 0 (T > 1, the runner's one-prompt graphs): cuBLAS GEMMs, the SwiGLU
+  above 16 rows) except the shapes ``CUDA_GEMV_SHAPES`` routes to the CUDA GEMV (``kernels/cuda_gemv.py``); at
+  one row with bf16 weights the qkv CUDA GEMV also does the RoPE + KV append (``QKV_ROPE_WEIGHTS``). A prefill from slot 0 (T > 1, the runner's one-prompt graphs): cuBLAS GEMMs, the SwiGLU
   kernel and causal torch SDPA (cuDNN first).
 - ``prefill``: every admitted prompt in one (1, sum L, hidden) pass, no padding: each token carries its own
   position and cache row into ``rope_and_append``, attention is one variable-length causal flash-attention call
@@ -41,7 +43,7 @@ import torch.nn.functional as F
 from glmasr_kernels import cuda_gemv, skinny_gemm
 from glmasr_kernels._triton_utils import interpreting
 from glmasr_kernels.activations import swiglu
-from glmasr_kernels.decode_attention import decode_attention
+from glmasr_kernels.decode_attention import decode_attention, new_counters
 from glmasr_kernels.rmsnorm import rms_norm
 from glmasr_kernels.rope import build_rope_cache, rope_and_append
 
@@ -65,14 +67,25 @@ CUDA_GEMV_SHAPES: frozenset[tuple[int, int, int, bool]] = frozenset({
 CUDA_GEMV_INT8_SHAPES: frozenset[tuple[int, int, int, bool]] = CUDA_GEMV_SHAPES
 
 
+# The decode weights ("bf16" / "int8") whose one-row decode step runs RoPE + KV append in the qkv CUDA GEMV's
+# epilogue (``cuda_gemv.gemv_qkv_rope``: one launch less per layer, bit-identical results). Measured on the H200
+# (notes/measurements.md, eleventh session): bf16 1.139 -> 1.107 ms per token at context 64; int8 mixed (-0.012
+# ms at 64, +0.011 to +0.024 at 512-2048), so int8 keeps the separate RoPE kernel.
+QKV_ROPE_WEIGHTS: frozenset[str] = frozenset({"bf16"})
+
+
 def _cuda_gemv_takes(x: torch.Tensor, w: torch.Tensor, scale, swiglu: bool) -> bool:
-    if x.device.type != "cuda":
+    return _cuda_gemv_routes(w, scale, x.numel() // x.shape[-1], swiglu, x.device)
+
+
+def _cuda_gemv_routes(w: torch.Tensor, scale, m: int, swiglu: bool, device: torch.device) -> bool:
+    """Whether W (with its int8 ``scale``) at ``m`` rows of x runs on the CUDA GEMV (the routing tables)."""
+    if device.type != "cuda":
         return False
     table = CUDA_GEMV_INT8_SHAPES if scale is not None else CUDA_GEMV_SHAPES
     if not table or w.dtype != (torch.int8 if scale is not None else torch.bfloat16):
         return False
-    m = x.numel() // x.shape[-1]
-    return (w.shape[0], w.shape[1], m, swiglu) in table and cuda_gemv.is_available(x.device)
+    return (w.shape[0], w.shape[1], m, swiglu) in table and cuda_gemv.is_available(device)
 
 
 def prebuild_cuda_gemv(device: torch.device) -> int:
@@ -83,8 +96,15 @@ def prebuild_cuda_gemv(device: torch.device) -> int:
     if not (CUDA_GEMV_SHAPES or CUDA_GEMV_INT8_SHAPES) or not cuda_gemv.is_available(device):
         return 0
     major, minor = torch.cuda.get_device_capability(device)
-    configs = [cuda_gemv.select(n, k, swiglu, m) for n, k, m, swiglu in sorted(CUDA_GEMV_SHAPES)]
-    configs += [cuda_gemv.select(n, k, swiglu, m, int8=True) for n, k, m, swiglu in sorted(CUDA_GEMV_INT8_SHAPES)]
+    configs = []
+    for table, int8 in ((CUDA_GEMV_SHAPES, False), (CUDA_GEMV_INT8_SHAPES, True)):
+        for n, k, m, glu in sorted(table):
+            cfg = cuda_gemv.select(n, k, glu, m, int8=int8)
+            configs.append(cfg)
+            kind = "int8" if int8 else "bf16"
+            if cfg is not None and m == 1 and not glu and (n, k) in cuda_gemv.QKV_ROPE_SHAPES \
+                    and kind in QKV_ROPE_WEIGHTS:
+                configs.append(cuda_gemv.rope_config(cfg))
     try:
         return len(cuda_gemv.prebuild([c for c in configs if c is not None], sm=10 * major + minor))
     except Exception as e:  # an NVRTC that cannot build them: the Triton GEMVs take every shape
@@ -142,6 +162,9 @@ class KernelDecoder:
             for lw in self.layers:
                 lw.add_int8()
         self.final_norm = dec.norm.weight
+        # decode attention's split programs combine in the last one per (sequence, kv head) through these
+        # counters (no second kernel); this decoder's steps run one at a time (one engine, one stream)
+        self.attn_counters = new_counters(reference.device)
         self.lm_head = reference.lm_head.weight
         self.cos, self.sin = build_rope_cache(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                               device=reference.device)
@@ -172,18 +195,24 @@ class KernelDecoder:
         if prefill and kv_len != t:
             raise ValueError("the fast path prefills from slot 0 only (kv_len must equal the prompt length)")
         eps = c.rms_norm_eps
+        int8 = self.decode_weights == "int8" and not prefill and (invariant or b <= INT8_MAX_ROWS)
+        rope_in_qkv = b * t == 1 and not invariant and self._rope_in_qkv(embeds, int8)
         residual = embeds
         h = rms_norm(embeds, self.layers[0].ln1, eps)
         lengths = positions[:, 0] + 1 if not prefill else None
         linear, linear_swiglu = self._linears(prefill, invariant)
-        int8 = self.decode_weights == "int8" and not prefill and (invariant or b <= INT8_MAX_ROWS)
         for i, lw in enumerate(self.layers):
             (w_qkv, s_qkv), (w_o, s_o), (w_gate_up, s_gate_up), (w_down, s_down) = self._matrices(lw, int8)
-            qkv = linear(h, w_qkv, scale=s_qkv)
-            q = qkv[..., : nq * d].view(b, t, nq, d)
-            k = qkv[..., nq * d:(nq + nk) * d].view(b, t, nk, d)
-            v = qkv[..., (nq + nk) * d:].view(b, t, nk, d)
-            rope_and_append(q, k, v, positions, self.cos, self.sin, cache.k[i], cache.v[i], cache_rows=rows)
+            if rope_in_qkv:
+                rope = cuda_gemv.RopeAppend(positions.reshape(1), self.cos, self.sin, cache.k[i], cache.v[i], nq, nk,
+                                            d, None if rows is None else rows.reshape(1))
+                q = cuda_gemv.gemv_qkv_rope(h, w_qkv, rope, scale=s_qkv).view(b, t, nq, d)
+            else:
+                qkv = linear(h, w_qkv, scale=s_qkv)
+                q = qkv[..., : nq * d].view(b, t, nq, d)
+                k = qkv[..., nq * d:(nq + nk) * d].view(b, t, nk, d)
+                v = qkv[..., (nq + nk) * d:].view(b, t, nk, d)
+                rope_and_append(q, k, v, positions, self.cos, self.sin, cache.k[i], cache.v[i], cache_rows=rows)
             if prefill:
                 with sdpa_backends():
                     attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -191,13 +220,22 @@ class KernelDecoder:
                 attn = attn.transpose(1, 2).reshape(b, t, nq * d)
             else:
                 attn = decode_attention(q[:, 0], cache.k[i], cache.v[i], lengths, max_len=kv_len, cache_rows=rows,
-                                        sm_scale=d ** -0.5, num_splits=1 if invariant else None
-                                        ).reshape(b, 1, nq * d)
+                                        sm_scale=d ** -0.5, num_splits=1 if invariant else None,
+                                        counters=self.attn_counters).reshape(b, 1, nq * d)
             h, residual = rms_norm(linear(attn, w_o, scale=s_o), lw.ln2, eps, residual=residual)
             mlp = linear(linear_swiglu(h, w_gate_up, scale=s_gate_up), w_down, scale=s_down)
             nxt = self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.final_norm
             h, residual = rms_norm(mlp, nxt, eps, residual=residual)
         return h
+
+    def _rope_in_qkv(self, embeds: torch.Tensor, int8: bool) -> bool:
+        """Whether a one-row decode step runs RoPE + KV append in the qkv GEMV (``QKV_ROPE_WEIGHTS``): its weights'
+        kind listed, the qkv GEMV on the CUDA GEMV, bf16 activations, full-width rotary."""
+        if ("int8" if int8 else "bf16") not in QKV_ROPE_WEIGHTS or embeds.dtype != torch.bfloat16 \
+                or self.cos.shape[1] * 2 != self.cfg.head_dim:
+            return False
+        w, scale = self._matrices(self.layers[0], int8)[0]
+        return _cuda_gemv_routes(w, scale, 1, False, embeds.device)
 
     @staticmethod
     def _matrices(lw, int8: bool) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:

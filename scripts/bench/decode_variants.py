@@ -1,20 +1,24 @@
 """The batch-1 decode step under its alternatives, in one process (issue 27, item 2): ms per token at each context
-for the decode GEMVs on Triton (``fast_decoder.CUDA_GEMV_SHAPES`` emptied) or on the CUDA GEMV (the table as
-shipped), and decode attention's fewest positions per split program (``decode_attention.MIN_CHUNK``), each
-variant on a fresh runner whose graphs are captured under it; then the 3.5 s clip end to end (13 tokens) for the
-first and last variant.
+for the decode GEMVs on Triton (``fast_decoder.CUDA_GEMV_SHAPES`` emptied) or on the CUDA GEMV, RoPE + KV append
+in its own kernel or in the qkv CUDA GEMV (``fast_decoder.QKV_ROPE_WEIGHTS``), and decode attention's split
+partials combined by a second kernel or in-kernel (the decoder's ``attn_counters`` set to None or not). Each
+variant has its own runner, whose graphs are captured under that variant's settings; the variants are timed in
+interleaved rounds (``--rounds``, each a median of 10 calls of 8 steps) and each figure is the median over the
+rounds, so slow drifts of the clock hit every variant alike. Then the 3.5 s clip end to end (13 tokens) per
+variant.
 
-    python -m scripts.bench.decode_variants [--model FOLDER] [--contexts 64,512,2048,8184] [--json FILE]
-        [--min-chunks 256,128,64] [--int8]
+    python -m scripts.bench.decode_variants [--model FOLDER] [--contexts 64,512,2048,8184] [--rounds 3]
+        [--json FILE] [--int8] [--triton]
 
-``--int8``: one more row, the shipped tables with the int8 decode weights (``load(decode_weights="int8")``, a
-second model in the same process).
+``--int8``: the int8 decode weights too (``load(decode_weights="int8")``, a second model in the same process);
+``--triton``: one more row, the Triton GEMVs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,9 +28,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint folder (default: the full-size random one)")
     p.add_argument("--contexts", default="64,512,2048,8184")
-    p.add_argument("--min-chunks", default="256,128,64")
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", default=None)
-    p.add_argument("--int8", action="store_true", help="also the int8 decode weights with the shipped tables")
+    p.add_argument("--int8", action="store_true", help="also the int8 decode weights")
+    p.add_argument("--triton", action="store_true", help="also the Triton GEMVs")
     args = p.parse_args(argv)
 
     import torch
@@ -34,61 +39,82 @@ def main(argv=None) -> int:
     import glmasr
     from glmasr.checkpoint.random_weights import ensure_full_size_checkpoint
     from glmasr.models import fast_decoder
-    from glmasr_kernels import decode_attention
     from scripts.benchmark import decode_round, decode_runner, fill_decode_state, sync_time
     from scripts.bench.workloads import noise_clip
 
     folder = args.model or ensure_full_size_checkpoint()
     asr = glmasr.load(folder, device="cuda")
-    model, cfg = asr.model, asr.config.text
-    shipped_table, shipped_chunk = fast_decoder.CUDA_GEMV_SHAPES, decode_attention.MIN_CHUNK
+    cfg = asr.config.text
+    shipped = fast_decoder.CUDA_GEMV_SHAPES, fast_decoder.QKV_ROPE_WEIGHTS
+    table = shipped[0]
     contexts = [int(c) for c in args.contexts.split(",")]
-    variants = [("triton GEMVs", frozenset(), shipped_chunk)]
-    variants += [(f"cuda GEMVs, min chunk {c}", shipped_table, int(c)) for c in args.min_chunks.split(",")]
-    rows = []
+    int8_asr = glmasr.load(folder, device="cuda", decode_weights="int8") if args.int8 else None
+    counters = {id(asr): asr.model.decoder.attn_counters}
+    every, none = frozenset({"bf16", "int8"}), frozenset()
+    # (name, CUDA GEMV table, QKV_ROPE_WEIGHTS, in-kernel combine, handle)
+    runs = [("triton GEMVs, separate rope, separate combine", none, none, False, asr)] if args.triton else []
+    runs += [("cuda GEMVs, separate rope, separate combine", table, none, False, asr),
+             ("cuda GEMVs, rope in qkv, separate combine", table, every, False, asr),
+             ("cuda GEMVs, rope in qkv, in-kernel combine", table, every, True, asr)]
+    if int8_asr is not None:
+        counters[id(int8_asr)] = int8_asr.model.decoder.attn_counters
+        runs += [("int8, separate rope, separate combine", table, none, False, int8_asr),
+                 ("int8, separate rope, in-kernel combine", table, none, True, int8_asr),
+                 ("int8, rope in qkv, in-kernel combine", table, every, True, int8_asr)]
+
+    def use(table, rope, combine, handle):
+        fast_decoder.CUDA_GEMV_SHAPES, fast_decoder.QKV_ROPE_WEIGHTS = table, rope
+        handle.model.decoder.attn_counters = counters[id(handle)] if combine else None
+
     steps = 8
-    int8_model = glmasr.load(folder, device="cuda", decode_weights="int8").model if args.int8 else None
-    runs = [(name, table, chunk, model) for name, table, chunk in variants]
-    if int8_model is not None:
-        runs.append(("cuda GEMVs, int8 weights (shipped)", shipped_table, shipped_chunk, int8_model))
-    for name, table, chunk, net in runs:
-        fast_decoder.CUDA_GEMV_SHAPES, decode_attention.MIN_CHUNK = table, chunk
-        runner = decode_runner(net, cfg.max_position_embeddings)
-        row = {"variant": name, "cuda_gemv_shapes": len(table), "min_chunk": chunk, "ms_per_token": {}}
-        for ctx in contexts:
-            ctx = min(ctx, runner.capacity - steps)
-            fill_decode_state(runner, cfg, ctx)
-            row["ms_per_token"][ctx] = round(sync_time(decode_round(runner, 1, ctx, steps), 2, 10) / steps, 4)
-        del runner
-        torch.cuda.empty_cache()
+    runners = [decode_runner(h.model, cfg.max_position_embeddings) for *_, h in runs]
+    samples = [{c: [] for c in contexts} for _ in runs]
+    for rnd in range(args.rounds):
+        for (name, table_, rope, combine, handle), runner, sample in zip(runs, runners, samples):
+            use(table_, rope, combine, handle)  # graphs are captured on first use, under these settings
+            for ctx in contexts:
+                ctx_ = min(ctx, runner.capacity - steps)
+                fill_decode_state(runner, cfg, ctx_)
+                sample[ctx].append(sync_time(decode_round(runner, 1, ctx_, steps), 2, 10) / steps)
+        print(f"round {rnd + 1} of {args.rounds} done", flush=True)
+    rows = []
+    for (name, table_, rope, combine, _), sample in zip(runs, samples):
+        row = {"variant": name, "cuda_gemv_shapes": len(table_), "qkv_rope_weights": sorted(rope),
+               "in_kernel_combine": combine, "ms_per_token": {c: round(statistics.median(v), 4)
+                                                               for c, v in sample.items()},
+               "rounds_ms_per_token": {c: [round(x, 4) for x in v] for c, v in sample.items()}}
         rows.append(row)
         print(json.dumps(row), flush=True)
+    del runners
+    torch.cuda.empty_cache()
 
     clip = noise_clip(3.5, seed=0)
     latency = {}
-    for name, table, chunk in (variants[0], variants[-1]):
-        fast_decoder.CUDA_GEMV_SHAPES, decode_attention.MIN_CHUNK = table, chunk
-        asr.engine.runner.drop_graphs()
+    for name, table_, rope, combine, handle in runs:
+        use(table_, rope, combine, handle)
+        handle.engine.runner.drop_graphs()
         for _ in range(3):  # captures, then steady state
-            glmasr.transcribe(clip, model=asr, sampling_rate=16000, max_new_tokens=13, ignore_eos=True)
+            glmasr.transcribe(clip, model=handle, sampling_rate=16000, max_new_tokens=13, ignore_eos=True)
         walls = []
         for _ in range(10):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            glmasr.transcribe(clip, model=asr, sampling_rate=16000, max_new_tokens=13, ignore_eos=True)
+            glmasr.transcribe(clip, model=handle, sampling_rate=16000, max_new_tokens=13, ignore_eos=True)
             torch.cuda.synchronize()
             walls.append(1e3 * (time.perf_counter() - t))
         latency[name] = round(sorted(walls)[len(walls) // 2], 2)
         print(f"3.5 s clip, 13 tokens, {name}: {latency[name]} ms (median of 10)", flush=True)
-    fast_decoder.CUDA_GEMV_SHAPES, decode_attention.MIN_CHUNK = shipped_table, shipped_chunk
-    asr.close()
+    fast_decoder.CUDA_GEMV_SHAPES, fast_decoder.QKV_ROPE_WEIGHTS = shipped
+    for handle in {id(h): h for *_, h in runs}.values():
+        handle.model.decoder.attn_counters = counters[id(handle)]
+        handle.close()
 
     print("\n| variant | " + " | ".join(f"ctx {c}" for c in contexts) + " |")
     print("|---|" + "---|" * len(contexts))
     for r in rows:
         print(f"| {r['variant']} | " + " | ".join(f"{v:.3f}" for v in r["ms_per_token"].values()) + " |")
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
-              "clip_3_5s_13_tokens_ms": latency}
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rounds": args.rounds,
+              "rows": rows, "clip_3_5s_13_tokens_ms": latency}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
