@@ -69,8 +69,8 @@ CUDA_GEMV_INT8_SHAPES: frozenset[tuple[int, int, int, bool]] = CUDA_GEMV_SHAPES
 
 # The decode weights ("bf16" / "int8") whose one-row decode step runs RoPE + KV append in the qkv CUDA GEMV's
 # epilogue (``cuda_gemv.gemv_qkv_rope``: one launch less per layer, bit-identical results). Measured on the H200
-# (notes/measurements.md, eleventh session): bf16 1.139 -> 1.107 ms per token at context 64; int8 mixed (-0.012
-# ms at 64, +0.011 to +0.024 at 512-2048), so int8 keeps the separate RoPE kernel.
+# (notes/measurements.md, eleventh session): bf16 1.141 -> 1.095 ms per token at context 64; int8 no better (-0.012
+# to +0.025 ms across contexts), so int8 keeps the separate RoPE kernel.
 QKV_ROPE_WEIGHTS: frozenset[str] = frozenset({"bf16"})
 
 
