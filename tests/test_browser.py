@@ -309,3 +309,48 @@ def test_page_reports_a_wrong_key(server, browser, tmp_path):
     assert browser.js("document.getElementById('mic').getAttribute('aria-pressed')") == "false"
     for path in artifact(tmp_path, "page-wrong-key.png"):
         browser.screenshot(path)
+
+
+@contextlib.contextmanager
+def other_origin_page(tmp: Path):
+    """A blank page served from another port of 127.0.0.1: another web origin than the glmasr server's."""
+    import functools
+    import http.server
+    import threading
+
+    root = tmp / "other-origin"
+    root.mkdir()
+    (root / "index.html").write_text("<!doctype html><title>another site</title><p>another site</p>")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_page_of_another_origin_is_refused(server, browser, tmp_path):
+    """A page of another origin (another port) opens /v1/realtime with the right key: Chromium sends its Origin,
+    the server answers with one error event (origin_not_allowed) and close 1008; its upload fetch is refused too
+    (the server's 403 is not readable cross-origin: the page sees a failed fetch)."""
+    with other_origin_page(tmp_path) as other:
+        browser.call("Page.navigate", url=f"{other}/index.html")
+        browser.wait("document.readyState === 'complete' && document.title === 'another site'", 15, "the page")
+        ws_url = server.base.replace("http://", "ws://") + "/v1/realtime?intent=transcription"
+        browser.js(f"""(() => {{
+            window.got = {{events: [], close: null}};
+            const ws = new WebSocket({json.dumps(ws_url)}, ["realtime", {json.dumps("openai-insecure-api-key." + KEY)}]);
+            ws.onmessage = (e) => window.got.events.push(JSON.parse(e.data));
+            ws.onclose = (e) => {{ window.got.close = e.code; }};
+        }})()""")
+        got = browser.wait("window.got.close !== null && window.got", 20, "the connection to close")
+        fetched = browser.js(f"""fetch({json.dumps(server.base + "/v1/models")},
+            {{headers: {{"Authorization": "Bearer {KEY}"}}}}).then(r => "read " + r.status, e => "failed: " + e)""")
+    assert got["close"] == 1008, got
+    assert [e["type"] for e in got["events"]] == ["error"], got
+    err = got["events"][0]["error"]
+    assert err["code"] == "origin_not_allowed" and other in err["message"], err
+    assert fetched.startswith("failed"), fetched

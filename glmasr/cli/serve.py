@@ -32,6 +32,10 @@ import sys
 from .common import non_negative_float, pick_model, port, positive_float, positive_int
 
 
+def origin_list(text: str) -> tuple[str, ...]:
+    """argparse type of --allowed-origins: the comma-separated entries (each checked by ServerConfig, whose
+    message names a malformed one)."""
+    return tuple(o.strip() for o in text.split(",") if o.strip())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--realtime-max-buffer-s", type=positive_float, default=60.0, metavar="S",
                    help="audio a live session holds uncommitted; an append beyond is refused with an error event "
                         "(default 60)")
+    p.add_argument("--allowed-origins", type=origin_list, default=(), metavar="ORIGINS",
+                   help="comma-separated web page origins (scheme://host[:port], '*' for any, 'null') whose browser "
+                        "requests and live sessions are served besides the server's own page, with CORS headers; "
+                        "others get 403 / close 1008 (default: none; clients that send no Origin header, like the "
+                        "openai SDK or curl, are never affected)")
     p.add_argument("--warmup", choices=("full", "request", "none"), default="full",
                    help="before /health reports ok: every kernel and graph (full, default), one short request, or "
                         "nothing")
@@ -123,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn  # noqa: F401 - the serve extra is installed (else the message below)
 
         from ..server.app import MIB, ServerConfig, create_app, served_names
-        from ..server.http import SWITCH_INTERVAL_S, HttpLimits, log_config, make_server, uvicorn_config
+        from ..server.http import (SWITCH_INTERVAL_S, HttpLimits, log_config, make_server, normalize_origin,
+                                   uvicorn_config)
         from ..server.realtime.routes import RealtimeLimits
     except ImportError as e:
         print(f"error: the server needs the serve extra (pip install 'glmasr[serve]'): {e}", file=sys.stderr)
@@ -134,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     data_parallel = args.data_parallel is not None or args.devices is not None
     frontends = args.frontends > 1
     try:
+        origins = tuple(normalize_origin(o) for o in args.allowed_origins)  # a typo fails before the model loads
         model = pick_model(args.model)
         if frontends:
             if args.aligner is not None:
@@ -156,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         config = ServerConfig(served_names=served_names(engine, extra), api_key=api_key,
                               max_upload_bytes=int(args.max_upload_mb * MIB), max_audio_s=args.max_audio_s or None,
                               max_queue=args.max_queue, request_timeout_s=args.request_timeout or None,
-                              limits=limits, warmup=args.warmup,
+                              limits=limits, warmup=args.warmup, allowed_origins=origins,
                               realtime=RealtimeLimits(max_sessions=args.max_realtime_sessions,
                                                       max_session_s=args.realtime_max_session_s,
                                                       idle_timeout_s=args.realtime_idle_timeout_s,

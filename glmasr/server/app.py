@@ -44,10 +44,11 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from . import protocol
 from ..workers.engine_client import WARMUPS, EngineClient, LocalEngineClient
-from .http import FramingGuard, HttpLimits
+from .http import FramingGuard, HttpLimits, OriginGuard, normalize_origin
 from .metrics import Metrics
 from .protocol import APIError
 from .realtime.routes import RealtimeLimits, RealtimeService, add_realtime_route, live_limit
@@ -66,7 +67,9 @@ class ServerConfig:
     connection and upload limits (``http.HttpLimits``); warmup: "full" (``GlmAsr.warmup``: every kernel and graph a
     server needs), "request" (one short request), "none" (each engine worker does it before it reports ready);
     close_engine: close the engine (stop the engine workers) when the app shuts down (after the in-flight
-    requests); realtime: the limits of the ``/v1/realtime`` sessions (``realtime.routes.RealtimeLimits``)."""
+    requests); realtime: the limits of the ``/v1/realtime`` sessions (``realtime.routes.RealtimeLimits``);
+    allowed_origins: web page origins (``scheme://host[:port]``, ``*``, ``null``) whose browser requests are served
+    besides the server's own, with CORS headers (``http.OriginGuard``)."""
 
     served_names: tuple[str, ...] = ()
     api_key: str | None = None
@@ -78,6 +81,7 @@ class ServerConfig:
     warmup: str = "full"
     close_engine: bool = True
     realtime: RealtimeLimits = field(default_factory=RealtimeLimits)
+    allowed_origins: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
@@ -92,6 +96,7 @@ class ServerConfig:
         for n in self.served_names:
             if not is_model_name(n):
                 raise ValueError(f"a served model name must be a plain name, not a path: {n!r}")
+        self.allowed_origins = tuple(dict.fromkeys(normalize_origin(o) for o in self.allowed_origins))
 
 
 def is_model_name(name: str) -> bool:
@@ -221,6 +226,11 @@ def create_app(asr, config: ServerConfig | None = None, frontend=None) -> FastAP
     app.state.realtime = live
     add_page(app)
     app.add_middleware(FramingGuard)
+    app.add_middleware(OriginGuard, allowed=config.allowed_origins)
+    if config.allowed_origins:  # outermost: preflights of allowed origins answered, their answers marked
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type", "openai-beta"],
+                           expose_headers=["x-request-id", "retry-after", "x-glmasr-frontend"], max_age=600)
     if frontend is not None:
         app.add_middleware(frontend.header_middleware())
     return app

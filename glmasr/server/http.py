@@ -17,6 +17,14 @@ limits live here, each with its ``glmasr serve`` flag:
   Some malformed requests are refused by the HTTP parser (h11) itself before any of our code runs: those get
   uvicorn's plain-text ``400 Invalid HTTP request received.``, and a connection over ``--max-connections`` gets
   uvicorn's plain-text ``503``; these are the only answers not in the envelope.
+- **Web origins** (``OriginGuard``, ``--allowed-origins``): a browser tells the server which page sends a request
+  (the ``Origin`` header), and any page a user visits may send one to a server on their machine or network (an
+  upload is a "simple" cross-origin request: it runs even though the page cannot read the answer; WebSockets have
+  no same-origin rule at all). So a request with an ``Origin`` is served only when that origin is the server's own
+  (its host and port are the request's ``Host``: the microphone page at ``/``) or one the operator allowed;
+  others get a 403 in the envelope (``origin_not_allowed``; ``/v1/realtime`` answers with a Realtime ``error``
+  event and close 1008). Requests without an ``Origin`` (the openai SDK, curl, servers) are not affected. Allowed
+  origins also get CORS headers (preflights answered), so a web app on another origin can use the API.
 
 The body's own limits (idle time between chunks, total upload time, size) are the upload reader's
 (``uploads.py``).
@@ -27,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -92,6 +101,68 @@ class FramingGuard:
                                              "code": "invalid_framing"}}).encode()
                 await send({"type": "http.response.start", "status": 400,
                             "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def normalize_origin(origin: str) -> str:
+    """An ``--allowed-origins`` entry as browsers send it: ``scheme://host[:port]`` in lower case, or ``*`` (every
+    origin) or ``null`` (pages without one, e.g. ``file://``). ValueError names what is wrong."""
+    o = origin.strip().lower().rstrip("/")
+    if o in ("*", "null"):
+        return o
+    parts = urlsplit(o)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query or parts.fragment \
+            or parts.username is not None:
+        raise ValueError(f"an allowed origin is scheme://host[:port] (http or https, no path), '*' or 'null'; "
+                         f"got {origin!r}")
+    return o
+
+
+def origin_allowed(origin: str | None, host: str | None, allowed: tuple[str, ...] = ()) -> bool:
+    """Whether a request with this ``Origin`` header (None: not sent, i.e. not from a browser page) may be served:
+    no origin, the server's own (the origin's host[:port] is the request's ``Host``), or one of ``allowed``
+    (normalized entries; ``*``: any)."""
+    if origin is None:
+        return True
+    o = origin.strip().lower().rstrip("/")
+    if "*" in allowed or o in allowed:
+        return True
+    parts = urlsplit(o)
+    return parts.scheme in ("http", "https") and bool(parts.netloc) and host is not None \
+        and parts.netloc == host.strip().lower()
+
+
+def origin_refusal(origin: str, allowed: tuple[str, ...]) -> str:
+    """The message for a refused origin."""
+    also = f" and from {', '.join(a for a in allowed)}" if allowed else ""
+    return (f"requests from the web page origin {origin[:200]!r} are not allowed: this server accepts browser "
+            f"requests from its own origin{also} (glmasr serve --allowed-origins)")
+
+
+class OriginGuard:
+    """ASGI middleware: an HTTP request whose ``Origin`` is not allowed (``origin_allowed``) gets a 403 in the
+    OpenAI envelope before any route runs. WebSockets pass: ``/v1/realtime`` refuses them itself, with an ``error``
+    event the client can read."""
+
+    def __init__(self, app, allowed: tuple[str, ...] = ()):
+        self.app = app
+        self.allowed = allowed
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            origin, host = headers.get(b"origin"), headers.get(b"host")
+            if origin is not None and not origin_allowed(origin.decode("latin-1"),
+                                                         None if host is None else host.decode("latin-1"),
+                                                         self.allowed):
+                body = json.dumps({"error": {"message": origin_refusal(origin.decode("latin-1"), self.allowed),
+                                             "type": "invalid_request_error", "param": None,
+                                             "code": "origin_not_allowed"}}).encode()
+                await send({"type": "http.response.start", "status": 403,
+                            "headers": [(b"content-type", b"application/json"),
                                         (b"content-length", str(len(body)).encode())]})
                 await send({"type": "http.response.body", "body": body})
                 return

@@ -9,6 +9,7 @@ still accepted, so that the client can read why: one ``error`` event, then the c
 
 | refusal | error code | close code |
 |---|---|---|
+| a browser page of another origin than the server's own or ``--allowed-origins`` (``http.OriginGuard``) | origin_not_allowed | 1008 |
 | no or wrong API key | invalid_api_key | 1008 (policy violation) |
 | ``intent`` other than transcription | invalid_intent | 1008 |
 | ``model`` not served | model_not_found | 1008 |
@@ -49,6 +50,7 @@ from fastapi import FastAPI, WebSocket
 
 from ...audio.features import SAMPLE_RATE
 from ...audio.stream import StreamDecoder
+from ..http import origin_allowed, origin_refusal
 from ..protocol import APIError
 from . import protocol as rp
 from .protocol import ProtocolError, SessionConfig
@@ -166,6 +168,10 @@ def add_realtime_route(app: FastAPI, ctx, service: RealtimeService) -> None:
 
     def refusal(ws: WebSocket) -> tuple[str, str, str | None, int, str] | None:
         """(message, code, param, close code, error type) of a connection that is refused, else None."""
+        origin = ws.headers.get("origin")
+        if not origin_allowed(origin, ws.headers.get("host"), ctx.config.allowed_origins):
+            return (origin_refusal(origin, ctx.config.allowed_origins), "origin_not_allowed", None, 1008,
+                    "invalid_request_error")
         if not key_ok(ws):
             return ("missing or incorrect API key: send 'Authorization: Bearer <key>' or the subprotocol "
                     f"'{KEY_SUBPROTOCOL}<key>'", "invalid_api_key", None, 1008, "invalid_request_error")
