@@ -249,10 +249,11 @@ def _combine_kernel(OP, LSE, O, n_splits, sob, soh, HQ,
 def decode_attention(q, k_cache, v_cache, lengths, max_len: int | None = None, cache_rows=None,
                      sm_scale: float | None = None, num_splits: int | None = None, block_n: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None, out=None, counters=None):
-    """See the module docstring. Returns ``out`` (B, Hq, D) in q's dtype. ``counters``: an int32 tensor of at
-    least B * Hk zeros on q's device, owned by the caller and used by one stream at a time (``new_counters``): a
-    launch of at most ``COMBINE_IN_KERNEL_MAX_SPLITS`` splits then combines in its last program per (sequence, kv
-    head) instead of a second kernel, and leaves the counters zero again."""
+    """See the module docstring. Returns ``out`` (B, Hq, D) in q's dtype. ``counters``: an int32 tensor of zeros on
+    q's device, owned by the caller and used by one stream at a time (``new_counters``): a launch of 2 to
+    ``COMBINE_IN_KERNEL_MAX_SPLITS`` splits then combines in its last program per (sequence, kv head) instead of a
+    second kernel (it needs B * Hk counters; splits happen below one program per SM, so the default 4096 cover any
+    batch that splits), and leaves the counters zero again."""
     check_device(q, k_cache, v_cache, lengths, cache_rows)
     B, HQ, D = q.shape
     _, HK, LBUF, DK = k_cache.shape
@@ -265,10 +266,8 @@ def decode_attention(q, k_cache, v_cache, lengths, max_len: int | None = None, c
     if k_cache.dtype != v_cache.dtype:
         raise ValueError("k_cache and v_cache dtypes differ")
     if counters is not None and (not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32
-                                 or counters.device != q.device or counters.numel() < B * HK
-                                 or not counters.is_contiguous()):
-        raise ValueError(f"counters must be a contiguous int32 tensor of at least B * Hk = {B * HK} elements on "
-                         f"{q.device} (decode_attention.new_counters)")
+                                 or counters.device != q.device or not counters.is_contiguous()):
+        raise ValueError(f"counters must be a contiguous int32 tensor on {q.device} (decode_attention.new_counters)")
     max_len = LBUF if max_len is None else int(max_len)
     if max_len > LBUF:
         raise ValueError(f"max_len {max_len} > cache capacity {LBUF}")
@@ -307,6 +306,9 @@ def decode_attention(q, k_cache, v_cache, lengths, max_len: int | None = None, c
     op = torch.empty((B, HQ, n_splits, D), device=q.device, dtype=torch.float32)
     lse = torch.empty((B, HQ, n_splits), device=q.device, dtype=torch.float32)
     fused = counters is not None and n_splits <= COMBINE_IN_KERNEL_MAX_SPLITS
+    if fused and counters.numel() < B * HK:
+        raise ValueError(f"counters must hold at least B * Hk = {B * HK} elements for a split launch, got "
+                         f"{counters.numel()} (decode_attention.new_counters)")
     _decode_attn_kernel[(B, HK, n_splits)](
         q, k_cache, v_cache, lengths, rows, out, op, lse, counters if fused else lengths, max_len, chunk, n_splits,
         qk_scale, q.stride(0), q.stride(1), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], out.stride(0), out.stride(1),

@@ -362,10 +362,15 @@ def test_decode_attention_in_kernel_combine_only_for_few_splits(monkeypatch):
 def test_decode_attention_counters_are_checked():
     from glmasr_kernels.decode_attention import new_counters
 
-    q, kc, vc, lens = _attn_inputs(3, 4, 2, 16, 40, torch.float32, seed=70, lengths=[40, 3, 11])
-    for bad in (new_counters(DEV, 5), new_counters(DEV, 8).long(), [0] * 8, new_counters(DEV, 16)[::2]):
-        with pytest.raises(ValueError, match="counters must be a contiguous int32 tensor of at least B \\* Hk = 6"):
-            decode_attention(q, kc, vc, lens, 40, counters=bad)
+    q, kc, vc, lens = _attn_inputs(3, 4, 2, 16, 200, torch.float32, seed=70, lengths=[200, 3, 11])
+    for bad in (new_counters(DEV, 8).long(), [0] * 8, new_counters(DEV, 16)[::2]):
+        with pytest.raises(ValueError, match="counters must be a contiguous int32 tensor"):
+            decode_attention(q, kc, vc, lens, 200, counters=bad)
+    with pytest.raises(ValueError, match="counters must hold at least B \\* Hk = 6 elements for a split launch"):
+        decode_attention(q, kc, vc, lens, 200, num_splits=2, counters=new_counters(DEV, 5))
+    # too few counters for this batch, but one pass (no split): nothing to count, no error
+    ref = decode_attention_ref(q, kc, vc, lens, 200)
+    close(decode_attention(q, kc, vc, lens, 200, num_splits=1, counters=new_counters(DEV, 5)), ref, torch.float32)
 
 
 def test_choose_num_splits():
