@@ -111,10 +111,6 @@ def test_rope_in_qkv_equals_the_unfused_step(model, monkeypatch):
         assert not torch.equal(got[:, 1, :, n_ctx], before[:, 1, :, n_ctx])
 
 
-def test_shipped_choice():
-    assert fast_decoder.QKV_ROPE_WEIGHTS == frozenset({"bf16"})
-
-
 @gpu_only
 def test_fused_step_in_a_pdl_graph_equals_plain_launches(model, monkeypatch):
     from glmasr_kernels import _triton_utils
