@@ -30,6 +30,8 @@
 #                          streaming .bench_audio/realtime_speech.flac when carried
 # gemv [ARGS]              tests first when ALL_TESTS_ARGS is set (${ALL_TESTS_S:-200}), then bench_cuda_gemv ARGS
 #                          (default --quick): the CUDA decode GEMVs against the Triton ones, per shape and chained
+# decode [ARGS]            tests first when ALL_TESTS_ARGS is set (${ALL_TESTS_S:-200}), then decode_variants ARGS
+#                          (default --int8 --rounds 3): the batch-1 decode step per variant, interleaved rounds
 # record [BENCH-ARGS]      scripts/record_kernels (every Triton specialization the product uses, into
 #                          kernels/manifests/sm90.json, copied to OUT; 200), then bash benchmark.sh --out OUT/bench
 #                          BENCH-ARGS with the rest (e.g. --only coldstart,firstcall --no-peers: `glmasr compile`
@@ -53,7 +55,7 @@ DEADLINE=${DEVICE_DEADLINE_S:-580}
 RESERVE=25      # timeout's kill grace (15 s) + the summary
 MIN_STEP=30     # a step with less time than this is skipped
 DRY=${DEVICE_DRY_RUN:-0}
-MODES="tests bench coldstart kernels logits sweep trace logmel cost int8 realtime gemv record all"
+MODES="tests bench coldstart kernels logits sweep trace logmel cost int8 realtime gemv decode record all"
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 case " $MODES " in
@@ -197,6 +199,12 @@ case $MODE in
         [ -z "${ALL_TESTS_ARGS:-}" ] || run_tests "${ALL_TESTS_S:-200}" ${ALL_TESTS_ARGS}
         [ $# -gt 0 ] || set -- --quick
         step bench_cuda_gemv 600 bench_cuda_gemv.log python3 -m scripts.bench.bench_cuda_gemv --out "$OUT" "$@" ;;
+    decode)
+        # shellcheck disable=SC2086 # ALL_TESTS_ARGS: pytest arguments (files, -k), split on spaces
+        [ -z "${ALL_TESTS_ARGS:-}" ] || run_tests "${ALL_TESTS_S:-200}" ${ALL_TESTS_ARGS}
+        [ $# -gt 0 ] || set -- --int8 --rounds 3
+        step decode_variants 600 decode_variants.log python3 -m scripts.bench.decode_variants \
+            --json "$OUT/decode_variants.json" "$@" ;;
     record)
         step record 200 record.log python3 -m scripts.record_kernels --out kernels/manifests/sm90.json
         [ "$DRY" = 1 ] || cp kernels/manifests/sm90.json "$OUT/sm90.json"
