@@ -343,26 +343,26 @@ def _check_swiglu_int8(x, q, sc, out):
     assert ((o - ref).norm() / ref.norm()).item() < 1e-2
 
 
-def _run_case_int8(n, k, swiglu, m, cfg=None, pdl=None, lead=()):
-    x = _rand(*lead, m, k)
-    q, sc = _quant(n, k)
-    out = torch.full((*lead, m, n // 2 if swiglu else n), float("nan"), device="cuda", dtype=BF)
-    fn = cg.gemv_swiglu if swiglu else cg.gemv
-    res = fn(x, q, out=out, config=cfg, pdl=pdl, scale=sc)
-    torch.cuda.synchronize()
-    assert res is out
-    (_check_swiglu_int8 if swiglu else _check_gemv_int8)(x.reshape(m, k), q, sc, out.reshape(m, -1))
+def _quant_or_bf16(n, k, int8):
+    """W (N, K) and its row scales: fresh random bf16 weights (~N(0, 1/K)), quantized to int8 when ``int8``."""
+    if int8:
+        return _quant(n, k)
+    return _rand(n, k, scale=k ** -0.5), None
 
 
-def _run_case(n, k, swiglu, m, cfg=None, pdl=None, lead=()):
+def _run_case(n, k, swiglu, m, cfg=None, pdl=None, lead=(), int8=False):
     x = _rand(*lead, m, k)
-    w = _rand(n, k, scale=k ** -0.5)
+    w, sc = _quant_or_bf16(n, k, int8)
     out = torch.full((*lead, m, n // 2 if swiglu else n), float("nan"), device="cuda", dtype=BF)
     fn = cg.gemv_swiglu if swiglu else cg.gemv
-    res = fn(x, w, out=out, config=cfg, pdl=pdl)
+    res = fn(x, w, out=out, config=cfg, pdl=pdl, scale=sc)
     torch.cuda.synchronize()
     assert res is out
-    (_check_swiglu if swiglu else _check_gemv)(x.reshape(m, k), w, out.reshape(m, -1))
+    x2, o2 = x.reshape(m, k), out.reshape(m, -1)
+    if int8:
+        (_check_swiglu_int8 if swiglu else _check_gemv_int8)(x2, w, sc, o2)
+    else:
+        (_check_swiglu if swiglu else _check_gemv)(x2, w, o2)
 
 
 @gpu
@@ -383,20 +383,22 @@ def test_odd_shapes(n, k, swiglu, m):
 
 
 @gpu
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("name,m", [("qkv", 1), ("down", 1), ("gate_up_swiglu", 1), ("qkv", 2)])
-def test_every_candidate(name, m):
+def test_every_candidate(name, m, int8):
     n, k, sw = DECODER[name]
-    cands = cg.sweep_configs(n, k, sw, m)
+    cands = cg.sweep_configs(n, k, sw, m, int8=int8)
     cg.prebuild(cands, sm=cg._device_sm(torch.cuda.current_device()))
     for cfg in cands:
-        _run_case(n, k, sw, m, cfg=cfg)
+        _run_case(n, k, sw, m, cfg=cfg, int8=int8)
 
 
 @gpu
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_pdl_flag_and_leading_dims(pdl):
-    _run_case(3072, 2048, False, 1, pdl=pdl, lead=(1,))
-    _run_case(12288, 2048, True, 2, pdl=pdl)
+def test_pdl_flag_and_leading_dims(pdl, int8):
+    _run_case(3072, 2048, False, 1, pdl=pdl, lead=(1,), int8=int8)
+    _run_case(12288, 2048, True, 2, pdl=pdl, int8=int8)
 
 
 @gpu
@@ -422,7 +424,7 @@ def test_wrong_config_and_out():
 @pytest.mark.parametrize("name", [nm for nm in DECODER if nm != "lm_head"] + ["gate_up"])
 def test_decoder_shapes_int8(name, m):
     n, k, sw = DECODER[name] if name != "gate_up" else (12288, 2048, False)
-    _run_case_int8(n, k, sw, m)
+    _run_case(n, k, sw, m, int8=True)
 
 
 @gpu
@@ -431,24 +433,7 @@ def test_decoder_shapes_int8(name, m):
     (74, 208, True, 2), (6, 16384, True, 1), (130, 2048, False, 2), (59264 // 8, 2048, False, 1),
 ])
 def test_odd_shapes_int8(n, k, swiglu, m):
-    _run_case_int8(n, k, swiglu, m)
-
-
-@gpu
-@pytest.mark.parametrize("name,m", [("qkv", 1), ("down", 1), ("gate_up_swiglu", 1), ("qkv", 2)])
-def test_every_candidate_int8(name, m):
-    n, k, sw = DECODER[name]
-    cands = cg.sweep_configs(n, k, sw, m, int8=True)
-    cg.prebuild(cands, sm=cg._device_sm(torch.cuda.current_device()))
-    for cfg in cands:
-        _run_case_int8(n, k, sw, m, cfg=cfg)
-
-
-@gpu
-@pytest.mark.parametrize("pdl", [False, True])
-def test_pdl_flag_and_leading_dims_int8(pdl):
-    _run_case_int8(3072, 2048, False, 1, pdl=pdl, lead=(1,))
-    _run_case_int8(12288, 2048, True, 2, pdl=pdl)
+    _run_case(n, k, swiglu, m, int8=True)
 
 
 @gpu
@@ -558,12 +543,6 @@ def test_pdl_chain_in_cuda_graph():
 # GEMV tolerance above), the rotated value moves by about one ulp: the SwiGLU bounds (3 ulps + 1e-3), >= 90 % of
 # the elements bit-identical. (Against the unfused CUDA path, gemv + rope_and_append, it is bit-identical:
 # tests/test_fused_decode_step.py.)
-
-
-def _quant_or_bf16(n, k, int8):
-    if int8:
-        return _quant(n, k)
-    return _rand(n, k, scale=k ** -0.5), None
 
 
 def _rope_case(int8, pos_value, pos_dtype, row):
