@@ -100,9 +100,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GemvConfig", "RopeAppend", "CONFIGS", "CONFIGS_INT8", "QKV_ROPE_SHAPES", "MAX_M", "select", "sweep_configs",
-           "default_configs", "rope_config", "gemv", "gemv_swiglu", "gemv_qkv_rope", "gemv_ref", "gemv_swiglu_ref", "gemv_qkv_rope_ref",
-           "is_available", "prebuild", "get_cubin", "nvrtc_compile"]
+__all__ = ["GemvConfig", "RopeAppend", "CONFIGS", "CONFIGS_INT8", "QKV_ROPE_SHAPES", "MAX_M", "select",
+           "sweep_configs", "default_configs", "rope_config", "gemv", "gemv_swiglu", "gemv_qkv_rope", "gemv_ref",
+           "gemv_swiglu_ref", "gemv_qkv_rope_ref", "is_available", "prebuild", "get_cubin", "nvrtc_compile"]
 
 KERNEL_SRC = Path(__file__).with_name("cuda_gemv.cu")
 MAX_M = 2
@@ -656,8 +656,7 @@ def _run(x, w, out, swiglu: bool, config: GemvConfig | None, pdl: bool | None, s
     lc = _launch_config(kern, use_pdl)
     lc.gridDimX = -(-n // cfg.block_cols)
     lc.hStream = torch.cuda.current_stream(dev).cuda_stream
-    vals = _tls.vals
-    vals[:] = 0
+    vals = _tls.vals  # slots 9-20 (RoPE) are read only by a rope config's kernel, which always gets them set
     vals[0] = x2.data_ptr()
     vals[1] = w.data_ptr()
     vals[2] = out2.data_ptr()

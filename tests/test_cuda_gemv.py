@@ -110,7 +110,8 @@ CPU_CONFIGS_INT8 = list(dict.fromkeys([cg.CONFIGS_INT8[(n, k, 1, sw)] for n, k, 
 
 
 # the qkv GEMV's RoPE + KV append form, bf16 (shipped) and int8
-CPU_CONFIGS_FUSED = [c for c in cg.default_configs() if c.rope] + [cg.rope_config(cg.CONFIGS_INT8[(3072, 2048, 1, False)])]
+CPU_CONFIGS_FUSED = ([c for c in cg.default_configs() if c.rope]
+                     + [cg.rope_config(cg.CONFIGS_INT8[(3072, 2048, 1, False)])])
 
 
 @needs_nvrtc

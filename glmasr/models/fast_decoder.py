@@ -4,11 +4,11 @@
   layer RMSNorm (``kernels/rmsnorm.py``, the residual add fused into the next one), the fused qkv GEMV, RoPE +
   KV append in one launch (``kernels/rope.py``), decode attention straight from the KV buffer with
   per-sequence lengths (``kernels/decode_attention.py``; split launches combine in-kernel through
-  ``attn_counters``), o_proj, the gate|up GEMV fused with SwiGLU and
-  down_proj, every GEMM on ``kernels/skinny_gemm.py`` (its dispatchers pick cuBLAS where the table says so or
-  above 16 rows) except the shapes ``CUDA_GEMV_SHAPES`` routes to the CUDA GEMV (``kernels/cuda_gemv.py``); at
-  one row with bf16 weights the qkv CUDA GEMV also does the RoPE + KV append (``QKV_ROPE_WEIGHTS``). A prefill from slot 0 (T > 1, the runner's one-prompt graphs): cuBLAS GEMMs, the SwiGLU
-  kernel and causal torch SDPA (cuDNN first).
+  ``attn_counters``), o_proj, the gate|up GEMV fused with SwiGLU and down_proj, every GEMM on
+  ``kernels/skinny_gemm.py`` (its dispatchers pick cuBLAS where the table says so or above 16 rows) except the
+  shapes ``CUDA_GEMV_SHAPES`` routes to the CUDA GEMV (``kernels/cuda_gemv.py``); at one row with bf16 weights the
+  qkv CUDA GEMV also does the RoPE + KV append (``QKV_ROPE_WEIGHTS``). A prefill from slot 0 (T > 1, the runner's
+  one-prompt graphs): cuBLAS GEMMs, the SwiGLU kernel and causal torch SDPA (cuDNN first).
 - ``prefill``: every admitted prompt in one (1, sum L, hidden) pass, no padding: each token carries its own
   position and cache row into ``rope_and_append``, attention is one variable-length causal flash-attention call
   (per prompt torch SDPA where flash cannot: fp32, the interpreter), and the last layer's MLP runs on each
@@ -97,11 +97,10 @@ def prebuild_cuda_gemv(device: torch.device) -> int:
         return 0
     major, minor = torch.cuda.get_device_capability(device)
     configs = []
-    for table, int8 in ((CUDA_GEMV_SHAPES, False), (CUDA_GEMV_INT8_SHAPES, True)):
+    for table, kind in ((CUDA_GEMV_SHAPES, "bf16"), (CUDA_GEMV_INT8_SHAPES, "int8")):
         for n, k, m, glu in sorted(table):
-            cfg = cuda_gemv.select(n, k, glu, m, int8=int8)
+            cfg = cuda_gemv.select(n, k, glu, m, int8=kind == "int8")
             configs.append(cfg)
-            kind = "int8" if int8 else "bf16"
             if cfg is not None and m == 1 and not glu and (n, k) in cuda_gemv.QKV_ROPE_SHAPES \
                     and kind in QKV_ROPE_WEIGHTS:
                 configs.append(cuda_gemv.rope_config(cfg))

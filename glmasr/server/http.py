@@ -97,14 +97,20 @@ class FramingGuard:
         if scope["type"] == "http":
             why = framing_error(scope["headers"])
             if why is not None:
-                body = json.dumps({"error": {"message": why, "type": "invalid_request_error", "param": None,
-                                             "code": "invalid_framing"}}).encode()
-                await send({"type": "http.response.start", "status": 400,
-                            "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
-                                        (b"content-length", str(len(body)).encode())]})
-                await send({"type": "http.response.body", "body": body})
+                await send_refusal(send, 400, why, "invalid_framing", close=True)
                 return
         await self.app(scope, receive, send)
+
+
+async def send_refusal(send, status: int, message: str, code: str, close: bool = False) -> None:
+    """An answer in the OpenAI envelope (``invalid_request_error``) sent by a middleware before any route runs;
+    ``close``: with ``Connection: close``."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    headers = [(b"content-type", b"application/json"), *([(b"connection", b"close")] if close else []),
+               (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def normalize_origin(origin: str) -> str:
@@ -137,7 +143,7 @@ def origin_allowed(origin: str | None, host: str | None, allowed: tuple[str, ...
 
 def origin_refusal(origin: str, allowed: tuple[str, ...]) -> str:
     """The message for a refused origin."""
-    also = f" and from {', '.join(a for a in allowed)}" if allowed else ""
+    also = f" and from {', '.join(allowed)}" if allowed else ""
     return (f"requests from the web page origin {origin[:200]!r} are not allowed: this server accepts browser "
             f"requests from its own origin{also} (glmasr serve --allowed-origins)")
 
@@ -158,13 +164,8 @@ class OriginGuard:
             if origin is not None and not origin_allowed(origin.decode("latin-1"),
                                                          None if host is None else host.decode("latin-1"),
                                                          self.allowed):
-                body = json.dumps({"error": {"message": origin_refusal(origin.decode("latin-1"), self.allowed),
-                                             "type": "invalid_request_error", "param": None,
-                                             "code": "origin_not_allowed"}}).encode()
-                await send({"type": "http.response.start", "status": 403,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode())]})
-                await send({"type": "http.response.body", "body": body})
+                await send_refusal(send, 403, origin_refusal(origin.decode("latin-1"), self.allowed),
+                                   "origin_not_allowed")
                 return
         await self.app(scope, receive, send)
 
