@@ -39,7 +39,8 @@ from websockets.asyncio.client import connect  # noqa: E402
 from glmasr.cli import serve as server_cli  # noqa: E402
 from glmasr.options import DecodeOptions  # noqa: E402
 from glmasr.server import ServerConfig, create_app  # noqa: E402
-from glmasr.server.frontends import SharedCount, share  # noqa: E402
+from glmasr.server.frontends import SharedCount, frontend_threads, share  # noqa: E402
+from glmasr.workers.process import cores  # noqa: E402
 
 from conftest import noise  # noqa: E402
 
@@ -244,6 +245,8 @@ def test_health_metrics_and_both_frontends_answer(fe):
     assert h["status"] == "ok" and h["max_queue"] == 4 * 8
     engine_pid = h["workers"][0]["pid"]
     assert len(set(pids.values()) | {engine_pid, fe.proc.pid, os.getpid()}) == 5  # five distinct processes
+    # the cores split over the two front-ends' VAD pools (torch's default would be one thread per core in each)
+    assert h["frontend"]["threads"] == frontend_threads(2) == max(1, cores() // 2)
     m = fe.metrics()
     for name in ("glmasr_requests_total", "glmasr_queue_depth", "glmasr_engine_pending_requests",
                  "glmasr_realtime_drafts_total", "glmasr_realtime_active_sessions"):

@@ -42,7 +42,10 @@ second Ctrl-C stops everything at once.
 
 Metrics: see ``metrics.py`` (a scrape sees every front-end's series summed). Each answer carries the header
 ``X-Glmasr-Frontend: i`` (HTTP responses and the WebSocket handshake), and ``/health`` with the key says
-``frontend: {index, pid, frontends}``.
+``frontend: {index, pid, frontends, threads}``.
+
+CPU threads: each front-end runs the live sessions' VAD network on the CPU with ``cores // K`` torch threads
+(``frontend_threads``), so K front-ends together ask for the cores once, not K times.
 """
 
 from __future__ import annotations
@@ -103,6 +106,9 @@ class Frontend:
         # together and /health says so)
         self.warm_first = warm_first
         self.pid = os.getpid()
+        import torch
+
+        self.threads = torch.get_num_threads()  # frontend_main set it: the cores split over the front-ends
         self._queue_counts, self._session_counts = queue_counts, session_counts
         self.header = (FRONTEND_HEADER, str(index).encode())
 
@@ -208,12 +214,25 @@ class FrontendSpec:
     log_level: str
     drain_timeout_s: float
     restarted: bool = False
+    threads: int = 1  # torch CPU threads (the live VAD network): the cores split over the front-ends
+
+
+def frontend_threads(k: int) -> int:
+    """torch CPU threads per front-end of K: the usable cores split evenly. Each front-end runs the live sessions'
+    VAD network on the CPU; with torch's default of one thread per core in each, K front-ends would ask for K times
+    the cores at once and their spinning OpenMP pools would slow every batch down."""
+    from ..workers.process import cores
+
+    return max(1, cores() // k)
 
 
 def frontend_main(spec: FrontendSpec, pipe) -> None:
     """A front-end process: its own ``SO_REUSEPORT`` socket on the port, uvicorn, the app over the engines.
     Ctrl-C is the supervisor's to handle (it reaches the whole process group); SIGTERM drains."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch
+
+    torch.set_num_threads(spec.threads)
     from ..workers.attached import AttachedEngineClient
     from .app import create_app
     from .http import SWITCH_INTERVAL_S, log_config, make_server, uvicorn_config
@@ -331,7 +350,7 @@ class Supervisor:
                             slots=self.engine.slots, pending=self.engine.pending, queue_counts=self._queue_counts,
                             session_counts=self._session_counts, metrics_dir=self._metrics_dir,
                             log_level=self.log_level, drain_timeout_s=self.drain_timeout_s,
-                            restarted=f.restarts > 0)
+                            restarted=f.restarts > 0, threads=frontend_threads(self.k))
         reader, writer = self._ctx.Pipe(duplex=False)
         p = self._ctx.Process(target=frontend_main, args=(spec, writer), daemon=True,
                               name=f"glmasr-frontend{f.index}")

@@ -133,7 +133,8 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
                 body["workers"] = workers
             frontend = ctx.state.frontend
             if frontend is not None:
-                body["frontend"] = {"index": frontend.index, "pid": frontend.pid, "frontends": frontend.count}
+                body["frontend"] = {"index": frontend.index, "pid": frontend.pid, "frontends": frontend.count,
+                                    "threads": frontend.threads}
         return body
 
     @app.get("/health")
