@@ -139,15 +139,17 @@ class Frontends:
             return False
 
     def frontend_pids(self, timeout: float = 30.0) -> dict[int, int]:
-        """front-end index -> pid, from /health on fresh connections until both answered."""
+        """front-end index -> pid, from /health on fresh connections until both answered ready ("ok": the
+        fixture's wait sees only whichever front-end answers first; the other may still be warming up)."""
         seen: dict[int, int] = {}
 
         def both():
             try:
-                f = self.health().get("frontend")
+                h = self.health()
             except (httpx2.TransportError, ValueError):
                 return False
-            if f is not None:
+            f = h.get("frontend")
+            if f is not None and h.get("status") == "ok":
                 seen[f["index"]] = f["pid"]
             return len(seen) == 2
         wait_for(both, timeout, "both front-ends answering /health", 0.02)
