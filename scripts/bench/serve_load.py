@@ -160,13 +160,14 @@ def _send_from_procs(base_url: str, clips, procs: int) -> dict:
         cpu0 = time.process_time()
         row = asyncio.run(_send_all(base_url, clips))
         row["client_cpu_s"] = round(time.process_time() - cpu0, 2)
-        return row
+        return _answer_times(row, row["t0"])
     with mp.get_context("spawn").Pool(procs) as pool:
         start_at = time.monotonic() + 3.0  # past every worker's start-up
         rows = pool.starmap(_client_proc, [(base_url, clips[i::procs], start_at) for i in range(procs)])
-    return {"wall_s": round(max(r["end"] for r in rows) - start_at, 3), "ok": sum(r["ok"] for r in rows),
-            "failed": sum(r["failed"] for r in rows), "errors": [e for r in rows for e in r["errors"]][:5],
-            "client_cpu_s": [round(r["client_cpu_s"], 2) for r in rows]}
+    row = {"wall_s": round(max(r["end"] for r in rows) - start_at, 3), "ok": sum(r["ok"] for r in rows),
+           "failed": sum(r["failed"] for r in rows), "errors": [e for r in rows for e in r["errors"]][:5],
+           "client_cpu_s": [round(r["client_cpu_s"], 2) for r in rows], "done": [t for r in rows for t in r["done"]]}
+    return _answer_times(row, start_at)
 
 
 async def _send_all(base_url: str, clips) -> dict:
@@ -182,20 +183,36 @@ async def _send_all(base_url: str, clips) -> dict:
     client = openai.AsyncOpenAI(base_url=base_url, api_key="none", http_client=http, max_retries=0)
     errors = []
 
+    done: list[float] = []
+
     async def one(data):
         try:
             r = await client.audio.transcriptions.create(file=("clip.wav", data), model="glm-asr-nano-2512")
+            done.append(time.monotonic())
             return r.text
         except Exception as e:
             errors.append(f"{type(e).__name__}: {e}"[:300])
             return None
 
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     texts = await asyncio.gather(*(one(data) for data, _ in clips))
-    wall = time.perf_counter() - t0
+    wall = time.monotonic() - t0
     await client.close()
     return {"wall_s": round(wall, 3), "ok": sum(t is not None for t in texts), "failed": len(errors),
-            "errors": errors[:5]}
+            "errors": errors[:5], "t0": t0, "done": done}
+
+
+def _answer_times(row: dict, start: float) -> dict:
+    """Seconds from the start to the first, 10th, 50th and 90th percentile and last answers (where the wall goes:
+    late first answers mean the uploads' way in, a long spread the engine)."""
+    import numpy as np
+
+    d = np.sort(np.asarray(row.pop("done"), dtype=np.float64) - start)
+    row.pop("t0", None)
+    if d.size:
+        row["answers_s"] = {q: round(float(np.quantile(d, f)), 3) for q, f in
+                            (("first", 0.0), ("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("last", 1.0))}
+    return row
 
 
 def main(argv=None) -> int:
