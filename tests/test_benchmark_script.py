@@ -117,3 +117,17 @@ def test_words_speakers_cost_runs_on_the_cpu(tmp_path):
                                                                             for d in r["diarizer"])
     modes = {e["mode"]: e for e in r["end_to_end"]}
     assert modes["plain"]["words"] == 0 and modes["words"]["words"] > 0 and modes["words"]["align_ms"] > 0
+
+
+def test_ingest_runs_on_the_cpu(tmp_path):
+    """The upload-ingestion benchmark end to end at a toy size: the real app and uvicorn over the instant engine,
+    two client processes; every clip reaches the engine's submit once, with its decode time, and gets an answer."""
+    out = tmp_path / "ingest.json"
+    p = subprocess.run([sys.executable, "-m", "scripts.bench.ingest", "--clips", "6", "--client-procs", "2",
+                        "--calls", "1", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    (call,) = r["calls"]
+    assert call["ok"] == call["submitted"] == 6 and call["failed"] == 0, call
+    assert r["upload_mb"] > 0 and call["MB_per_s"] > 0 and call["audio_ms"]["max"] > 0
+    assert 0 < call["answers_s"]["first"] <= call["answers_s"]["last"] <= call["wall_s"] + 0.05
