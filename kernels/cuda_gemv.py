@@ -101,8 +101,9 @@ from pathlib import Path
 import torch
 
 __all__ = ["GemvConfig", "RopeAppend", "CONFIGS", "CONFIGS_INT8", "QKV_ROPE_SHAPES", "MAX_M", "select",
-           "sweep_configs", "default_configs", "rope_config", "gemv", "gemv_swiglu", "gemv_qkv_rope", "gemv_ref",
-           "gemv_swiglu_ref", "gemv_qkv_rope_ref", "is_available", "prebuild", "get_cubin", "nvrtc_compile"]
+           "sweep_configs", "default_configs", "has_rope_form", "rope_config", "gemv", "gemv_swiglu",
+           "gemv_qkv_rope", "gemv_ref", "gemv_swiglu_ref", "gemv_qkv_rope_ref", "is_available", "prebuild",
+           "get_cubin", "nvrtc_compile"]
 
 KERNEL_SRC = Path(__file__).with_name("cuda_gemv.cu")
 MAX_M = 2
@@ -271,11 +272,15 @@ CONFIGS_INT8: dict[tuple[int, int, int, bool], GemvConfig] = _table_int8()
 QKV_ROPE_SHAPES: frozenset[tuple[int, int]] = frozenset({(3072, 2048)})
 
 
+def has_rope_form(n: int, k: int, m: int, swiglu: bool) -> bool:
+    """Whether the product launches the RoPE form (``gemv_qkv_rope``) of the GEMV keyed (n, k, m, swiglu)."""
+    return m == 1 and not swiglu and (n, k) in QKV_ROPE_SHAPES
+
+
 def default_configs() -> list[GemvConfig]:
     """Every config the product launches: the tables (bf16 and int8) and the RoPE form of the bf16 qkv entry."""
     out = [*CONFIGS.values(), *CONFIGS_INT8.values()]
-    out += [rope_config(cfg) for (n, k, m, swiglu), cfg in CONFIGS.items()
-            if m == 1 and not swiglu and (n, k) in QKV_ROPE_SHAPES]
+    out += [rope_config(cfg) for key, cfg in CONFIGS.items() if has_rope_form(*key)]
     return list(dict.fromkeys(out))
 
 

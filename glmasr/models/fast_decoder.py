@@ -101,8 +101,7 @@ def prebuild_cuda_gemv(device: torch.device) -> int:
         for n, k, m, glu in sorted(table):
             cfg = cuda_gemv.select(n, k, glu, m, int8=kind == "int8")
             configs.append(cfg)
-            if cfg is not None and m == 1 and not glu and (n, k) in cuda_gemv.QKV_ROPE_SHAPES \
-                    and kind in QKV_ROPE_WEIGHTS:
+            if cfg is not None and kind in QKV_ROPE_WEIGHTS and cuda_gemv.has_rope_form(n, k, m, glu):
                 configs.append(cuda_gemv.rope_config(cfg))
     try:
         return len(cuda_gemv.prebuild([c for c in configs if c is not None], sm=10 * major + minor))

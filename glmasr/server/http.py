@@ -113,10 +113,14 @@ async def send_refusal(send, status: int, message: str, code: str, close: bool =
     await send({"type": "http.response.body", "body": body})
 
 
+def _canonical_origin(origin: str) -> str:
+    return origin.strip().lower().rstrip("/")
+
+
 def normalize_origin(origin: str) -> str:
     """An ``--allowed-origins`` entry as browsers send it: ``scheme://host[:port]`` in lower case, or ``*`` (every
     origin) or ``null`` (pages without one, e.g. ``file://``). ValueError names what is wrong."""
-    o = origin.strip().lower().rstrip("/")
+    o = _canonical_origin(origin)
     if o in ("*", "null"):
         return o
     parts = urlsplit(o)
@@ -133,7 +137,7 @@ def origin_allowed(origin: str | None, host: str | None, allowed: tuple[str, ...
     (normalized entries; ``*``: any)."""
     if origin is None:
         return True
-    o = origin.strip().lower().rstrip("/")
+    o = _canonical_origin(origin)
     if "*" in allowed or o in allowed:
         return True
     parts = urlsplit(o)
