@@ -807,3 +807,100 @@ def test_default_resampling_threads_follow_the_host(monkeypatch):
     threaded = A.resample(x, 22050)
     one = A.resample(x, 22050, threads=1)
     assert threaded.shape == one.shape and np.max(np.abs(threaded - one)) <= 1e-6
+
+
+# ------------------------------------------------------------------------------------ native reads
+# libsndfile reads a Python file object through callbacks that each take the GIL (slow under a busy event loop);
+# in-memory audio is handed to it as a memfd path and a spooled upload on disk as its fd's path
+# (``_Source.native_path``). The samples must be the callback path's, bit for bit, whatever the format or damage.
+
+native = pytest.mark.skipif(not (hasattr(__import__("os"), "memfd_create")
+                                 and __import__("os").path.isdir("/proc/self/fd")), reason="Linux memfd only")
+
+
+def _encoded(fmt, subtype, seconds=3.0, rate=16000, channels=1, seed=0):
+    x = (np.random.default_rng(seed).standard_normal((int(seconds * rate), channels)) * 0.1).astype(np.float32)
+    b = io.BytesIO()
+    sf.write(b, x, rate, format=fmt, subtype=subtype)
+    return b.getvalue()
+
+
+def _sources(data, tmp_path):
+    """The same bytes as bytes, a spooled upload in memory and on disk, a caller's BytesIO and an open file."""
+    import tempfile
+
+    small = tempfile.SpooledTemporaryFile(max_size=len(data) + 1)
+    small.write(data)
+    rolled = tempfile.SpooledTemporaryFile(max_size=16)
+    rolled.write(data)
+    path = tmp_path / "audio.bin"
+    path.write_bytes(data)
+    return {"bytes": data, "spooled in memory": small, "spooled on disk": rolled, "BytesIO": io.BytesIO(data),
+            "open file": open(path, "rb")}
+
+
+def _decode_any(src, label="upload"):
+    from glmasr.audio import decode_audio_bytes, decode_audio_file
+
+    if isinstance(src, bytes):
+        return decode_audio_bytes(src, label)
+    return decode_audio_file(src, label)
+
+
+@native
+@pytest.mark.parametrize("fmt,subtype,rate,channels", [("WAV", "PCM_16", 16000, 1), ("WAV", "FLOAT", 44100, 2),
+                                                        ("FLAC", "PCM_24", 22050, 1), ("OGG", "VORBIS", 16000, 1)])
+def test_native_reads_equal_the_callback_path(tmp_path, monkeypatch, fmt, subtype, rate, channels):
+    import os
+
+    data = _encoded(fmt, subtype, 3.0, rate, channels)
+    fds = len(os.listdir("/proc/self/fd"))
+    for name, src in _sources(data, tmp_path).items():
+        made = []
+        real_native = audio_mod._Source.native_path
+        monkeypatch.setattr(audio_mod._Source, "native_path", lambda self: made.append(real_native(self)) or made[-1])
+        calls = []
+        monkeypatch.setattr(audio_mod._Source, "target", lambda self: calls.append(1) or self.open())
+        got = _decode_any(src)
+        monkeypatch.undo()
+        assert made and all(p is not None and p.startswith("/proc/self/fd/") for p in made), (name, made)
+        assert calls == [], f"{name}: libsndfile was given a Python file object"
+        monkeypatch.setattr(audio_mod._Source, "native_path", lambda self: None)  # the callback path
+        want = _decode_any(src)
+        monkeypatch.undo()
+        assert np.array_equal(got.samples, want.samples) and got.samples.size > 0, name
+        if hasattr(src, "close"):
+            src.close()
+    assert len(os.listdir("/proc/self/fd")) == fds, "a memfd or file descriptor leaked"
+
+
+@native
+def test_native_reads_keep_truncation_and_limits(tmp_path, monkeypatch):
+    from glmasr.audio import decode_audio_bytes
+    from glmasr.errors import AudioTooLongError
+
+    data = _encoded("WAV", "PCM_16", 6.0)
+    cut = data[: len(data) * 2 // 3]
+    with pytest.warns(AudioWarning, match="truncated"):
+        a = decode_audio_bytes(cut, "upload")
+    monkeypatch.setattr(audio_mod._Source, "native_path", lambda self: None)
+    with pytest.warns(AudioWarning, match="truncated"):
+        b = decode_audio_bytes(cut, "upload")
+    monkeypatch.undo()
+    assert a.truncated and b.truncated and np.array_equal(a.samples, b.samples)
+    with pytest.raises(AudioTooLongError):
+        decode_audio_bytes(data, "upload", max_duration_s=2.0)
+
+
+@native
+def test_native_copy_is_bounded(monkeypatch):
+    """In-memory audio above NATIVE_COPY_MAX_BYTES is not copied: it decodes through the callbacks."""
+    data = _encoded("WAV", "PCM_16", 1.0)
+    monkeypatch.setattr(audio_mod, "NATIVE_COPY_MAX_BYTES", len(data) - 1)
+    src = audio_mod._Source("upload", data=data)
+    assert src.native_path() is None
+    monkeypatch.undo()
+    src = audio_mod._Source("upload", data=data)
+    assert src.native_path().startswith("/proc/self/fd/")
+    src.close()
+    assert src._memfd is None

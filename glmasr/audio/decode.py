@@ -30,7 +30,9 @@
   codec's state) + 1.5 MiB per decode thread (long files only). The 3 x D is the threaded decode (the mono mix
   held at up to 48 kHz until resampled, then the output); a sequential decode needs 2 x D (the output's pieces,
   then their join). Input bytes: what the caller holds (``bytes``; a spooled upload still in memory; a path or a
-  file on disk costs none). PyAV adds FFmpeg's own buffers: its probe window (up to ~5 MB), a packet and one
+  file on disk costs none), twice for in-memory audio up to ``NATIVE_COPY_MAX_BYTES`` (16 MiB) on Linux, which
+  libsndfile gets as a memfd copy so that it reads natively instead of through Python callbacks (each takes the
+  GIL: under a busy server's event loop they made a decode 50-70x slower; ``_Source.sf_target``). PyAV adds FFmpeg's own buffers: its probe window (up to ~5 MB), a packet and one
   decoded codec frame (frames of more than ``MAX_CODEC_FRAME_SAMPLES`` samples are refused). ``read_file``
   returns the full-rate signal and so holds it.
 - Bad input (missing/corrupt file, empty audio, NaN/inf, a bad sample rate) raises ``AudioError`` naming it.
@@ -78,6 +80,7 @@ _PCM_SUBTYPES = {"PCM_S8", "PCM_U8", "PCM_16", "PCM_24", "PCM_32", "FLOAT", "DOU
 _EXACT_SEEK_FORMATS = {"FLAC", "MP3"}  # besides uncompressed PCM: libsndfile seeks these sample-exactly
 _LOSSLESS_FORMATS = _PCM_CONTAINERS | {"FLAC", "W64"}
 _UNKNOWN_FRAMES = 1 << 62  # a frame count from libsndfile at or above this means "unknown" (its SF_COUNT_MAX)
+NATIVE_COPY_MAX_BYTES = 16 << 20  # in-memory audio up to this size is copied into a memfd for libsndfile (below)
 _WAV_MAX_CHUNKS = 4096  # RIFF chunks walked looking for fmt/data (a file of tiny chunks must not cost seconds)
 
 
@@ -161,10 +164,14 @@ class _FileView:
 class _Source:
     """Encoded audio to decode: a file (``path``), bytes in memory (``data``) or a caller's seekable binary file
     object (``file``, read from its byte 0); ``label`` names it in messages. Every ``open`` / ``target`` is a fresh
-    handle, so the threaded decode and the recovery read get their own."""
+    handle, so the threaded decode and the recovery read get their own. ``close`` releases what ``sf_target``
+    made."""
 
     def __init__(self, label: str, path: Path | None = None, data: bytes | None = None, file=None):
         self.label, self.path, self.data, self.file = label, path, data, file
+        self._native: str | None | bool = False  # sf_target's path once made (None: none can be)
+        self._memfd: int | None = None
+        self._native_lock = threading.Lock()
         if file is not None:
             self._lock = threading.Lock()
             file.seek(0, io.SEEK_END)
@@ -183,11 +190,87 @@ class _Source:
         return open(self.path, "rb") if self.data is None else io.BytesIO(self.data)
 
     def target(self):
-        """What soundfile / PyAV open: the path (their native I/O is faster), a BytesIO sharing the bytes or a view
-        of the file object."""
+        """What PyAV opens: the path (its native I/O is faster), a BytesIO sharing the bytes or a view of the file
+        object."""
         if self.path is not None:
             return str(self.path)
         return self.open()
+
+    def sf_target(self):
+        """What libsndfile opens: a path wherever one can be had (``native_path``), else ``target()``.
+
+        Why: libsndfile reads a Python file object through callbacks, each of which must take the GIL. In a server
+        whose event loop keeps the GIL busy, every callback waits up to the interpreter's switch interval for it,
+        so decoding an upload took 60-90 ms instead of ~1.3 (notes/measurements.md, thirteenth session). With a
+        path it reads natively and needs the GIL only when a block is handed back."""
+        native = self.native_path()
+        return native if native is not None else self.target()
+
+    def native_path(self) -> str | None:
+        """A file path onto exactly these bytes, opened afresh by every reader (own position), or None: the file
+        itself; else (Linux) ``/proc/self/fd/N`` of a spooled upload already on disk (a rolled-over
+        ``SpooledTemporaryFile``, flushed first) or of a caller's file opened on a regular file, and otherwise a
+        memfd holding a copy of bytes in memory up to ``NATIVE_COPY_MAX_BYTES`` (so an in-memory decode holds its
+        input twice, bounded by that)."""
+        if self.path is not None:
+            return str(self.path)
+        if self._native is not False:
+            return self._native
+        with self._native_lock:
+            if self._native is False:
+                try:
+                    self._native = self._make_native()
+                except (OSError, ValueError, AttributeError):
+                    self._native = None
+        return self._native
+
+    def _make_native(self) -> str | None:
+        if not (hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")):
+            return None
+        buf = self.data
+        if self.file is not None:
+            import tempfile
+
+            f = self.file
+            inner = f._file if isinstance(f, tempfile.SpooledTemporaryFile) else f
+            if isinstance(inner, (io.BufferedReader, io.BufferedRandom, io.FileIO)) or (
+                    inner is not f and hasattr(inner, "fileno") and not isinstance(inner, io.BytesIO)):
+                with self._lock:
+                    if hasattr(f, "flush") and not isinstance(f, io.BufferedReader):
+                        f.flush()
+                    fd = inner.fileno()
+                import stat
+
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode) and st.st_size == self._size:
+                    return f"/proc/self/fd/{fd}"
+                return None
+            if not isinstance(inner, io.BytesIO) or self._size > NATIVE_COPY_MAX_BYTES:
+                return None
+            buf = inner.getbuffer()
+        if buf is None or len(buf) > NATIVE_COPY_MAX_BYTES:
+            return None
+        fd = os.memfd_create("glmasr-audio", getattr(os, "MFD_CLOEXEC", 0))
+        try:
+            view, done = memoryview(buf), 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+        except OSError:
+            os.close(fd)
+            raise
+        finally:
+            if isinstance(buf, memoryview):
+                buf.release()
+        self._memfd = fd
+        return f"/proc/self/fd/{fd}"
+
+    def close(self) -> None:
+        """Release the memfd ``native_path`` made (if any)."""
+        with self._native_lock:
+            if self._memfd is not None:
+                os.close(self._memfd)
+                self._memfd = None
+            self._native = False if self.path is None else self._native
 
 
 @dataclass
@@ -456,7 +539,7 @@ def _sf_recover(src: _Source, start: int, stop: int | None, sink: _Sink, frames_
     import soundfile as sf
 
     try:
-        f = sf.SoundFile(src.target())
+        f = sf.SoundFile(src.sf_target())
     except Exception as e:
         return _err_text(e)
     with f:
@@ -484,7 +567,7 @@ def _sf_read_range(src: _Source, start: int, stop: int | None, mono: bool, frame
 
     blocks = _Blocks(mono)
     try:
-        with sf.SoundFile(src.target()) as f:
+        with sf.SoundFile(src.sf_target()) as f:
             if start:
                 f.seek(start)  # fails past the end of a cut file
             got, error = _sf_read(f, None if stop is None else stop - start, blocks, frames_per_block)
@@ -529,7 +612,7 @@ def _sf_decode(src: _Source, mono: bool, max_s: float | None, wav: _WavHeader | 
     import soundfile as sf
 
     try:
-        f = sf.SoundFile(src.target())
+        f = sf.SoundFile(src.sf_target())
     except Exception as e:
         raise _NotSoundfile(_err_text(e)) from None
     with f:
@@ -735,6 +818,13 @@ def _decode(src: _Source, mono: bool, max_s: float | None = None) -> _Decoded:
     to PyAV too when it is installed. Sample rate and channels are checked before anything is decoded (a WAV's
     from its header, even where libsndfile refuses it). ``max_s``: raise AudioTooLongError past that many
     seconds."""
+    try:
+        return _decode_source(src, mono, max_s)
+    finally:
+        src.close()
+
+
+def _decode_source(src: _Source, mono: bool, max_s: float | None) -> _Decoded:
     try:
         with src.open() as fh:
             head = fh.read(64)

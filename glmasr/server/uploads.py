@@ -14,7 +14,8 @@ arrives, the file part spooled to disk past 1 MiB.
   audio): each at most ``protocol.MAX_REFERENCE_BYTES`` (4 MiB), all of them ``MAX_REFERENCES_BYTES``.
 - Memory: each upload in progress holds at most ~1 MiB of file (Starlette's spooled file threshold), 256 KiB of
   text fields, 16 MiB of reference clips (only requests that send them) and one received chunk;
-  the decoder reads the spooled file (``audio.decode_audio_file``), so no copy of the whole upload sits in memory.
+  the decoder reads the spooled file (``audio.decode_audio_file``: by its file descriptor once on disk, from a
+  memfd copy while still in memory, i.e. up to 1 MiB more), so no copy of a large upload sits in memory.
 """
 
 from __future__ import annotations
