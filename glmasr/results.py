@@ -49,7 +49,8 @@ class Transcription:
     num_groups: int = 1
     # audio_ms (loading, caller's thread), encoder_ms (frontend + encoder + prompt embeddings; on CUDA the GPU
     # span of the encoder chunks that held this audio), features_ms (host packing, part of encoder_ms),
-    # queue_ms (submitted -> first encoder work), decoder_ms (the rest), total_ms
+    # queue_ms (submitted -> first encoder work), decoder_ms (the rest), total_ms; from the engine (where it ran
+    # the request): admit_ms (its arrival there -> its first prefill launched), engine_ms (-> its end read back)
     timings_ms: dict = field(default_factory=dict)
     segments: list[Segment] = field(default_factory=list)
     # the file's header promised more audio than it held (an AudioWarning said so): how much is missing

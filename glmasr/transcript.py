@@ -129,8 +129,9 @@ class TranscriptAssembler:
         total_ms = 1e3 * (time.perf_counter() - self.t_start)
         timings = {"audio_ms": self.audio_ms, "features_ms": engine_timing.get("features_ms", 0.0),
                    "encoder_ms": engine_timing.get("encoder_ms", 0.0)}
-        if "queue_ms" in engine_timing:
-            timings["queue_ms"] = engine_timing["queue_ms"]
+        for key in ("queue_ms", "admit_ms", "engine_ms"):
+            if key in engine_timing:
+                timings[key] = engine_timing[key]
         timings["decoder_ms"] = total_ms - timings["audio_ms"] - timings["encoder_ms"]
         timings["total_ms"] = total_ms
         self.result = Transcription(

@@ -4,5 +4,5 @@
 # not pip-installed there: glmasr imports from $PWD, and kernels/ is linked in as its import name glmasr_kernels.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 ln -sfn "$PWD/kernels" /tmp/site/glmasr_kernels
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 GLMASR_CACHE_DIR=${GLMASR_CACHE_DIR:-/tmp/glmasr_cubins}
+export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 GLMASR_CACHE_DIR=${GLMASR_CACHE_DIR:-/tmp/glmasr_cubins}
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"

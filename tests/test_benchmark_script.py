@@ -131,3 +131,36 @@ def test_ingest_runs_on_the_cpu(tmp_path):
     assert call["ok"] == call["submitted"] == 6 and call["failed"] == 0, call
     assert r["upload_mb"] > 0 and call["MB_per_s"] > 0 and call["audio_ms"]["max"] > 0
     assert 0 < call["answers_s"]["first"] <= call["answers_s"]["last"] <= call["wall_s"] + 0.05
+
+
+def test_profile_tree_summary_and_processes(tmp_path):
+    """scripts/bench/profile_tree.py: the raw-stack summary (threads, self and inclusive functions without line
+    numbers), the process tree from /proc, and (with py-spy installed) a real sample of a busy child process."""
+    import shutil
+    import time
+
+    from scripts.bench import profile_tree as pt
+
+    raw = ("thread (11): MainThread;main (a.py:3);loop (a.py:9);work (b.py:5) 7\n"
+           "thread (11): MainThread;main (a.py:3);loop (a.py:9) 2\n"
+           "thread (12): reader;run (c.py:1);recv (c.py:4) 5\n")
+    s = pt.summarize(raw)
+    assert s["samples"] == 14
+    assert s["threads"] == {"thread (11): MainThread": 9, "thread (12): reader": 5}
+    assert s["self"][0] == ("work (b.py)", 7) and ("recv (c.py)", 5) in s["self"] and ("loop (a.py)", 2) in s["self"]
+    assert dict(s["inclusive"])["loop (a.py)"] == 9 and dict(s["inclusive"])["main (a.py)"] == 9
+    child = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: sum(range(1000))"])
+    try:
+        time.sleep(0.5)
+        assert child.pid in pt.descendants(os.getpid()) and pt.is_python(child.pid)
+        if shutil.which("py-spy") is None:
+            assert "py-spy not found" in pt.profile_tree(child.pid, 1, out_dir=tmp_path)["error"]
+            return
+        report = pt.profile_tree(child.pid, 1, rate=50, out_dir=tmp_path)
+        (proc,) = report["processes"]
+        assert proc["pid"] == child.pid and "while True" in proc["cmdline"]
+        assert proc["samples"] >= 20, proc  # busy for the whole second at 50 Hz
+        assert (tmp_path / f"pyspy_{child.pid}.txt").exists()
+    finally:
+        child.kill()
+        child.wait()

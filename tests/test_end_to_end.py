@@ -91,13 +91,25 @@ def test_stops_at_any_eos_id(eos_override):
 
 def test_stage_timings_add_up(tiny_asr):
     """audio + encoder (features included) + decoder = total; feature packing is a part of the encoder stage,
-    the wait in the engine's queue a part of the decoder stage."""
+    the wait in the engine's queue a part of the decoder stage. The engine's marks come in order: queue (its first
+    encoder work) <= admit (its prefill launched) <= engine (its end read back) <= total - audio; the server's
+    stage histogram splits the same time into four parts that add up to it."""
+    from glmasr.server.metrics import STAGES, stage_seconds
+
     r = glmasr.transcribe(noise(3.5, seed=3), model=tiny_asr, sampling_rate=16000, max_new_tokens=4)
     t = r.timings_ms
-    assert set(t) == {"audio_ms", "features_ms", "encoder_ms", "queue_ms", "decoder_ms", "total_ms"}
+    assert set(t) == {"audio_ms", "features_ms", "encoder_ms", "queue_ms", "admit_ms", "engine_ms", "decoder_ms",
+                      "total_ms"}
     assert all(v > 0 for v in t.values()), t
     assert t["audio_ms"] + t["encoder_ms"] + t["decoder_ms"] == pytest.approx(t["total_ms"], rel=1e-9)
     assert t["features_ms"] <= t["encoder_ms"] and t["queue_ms"] <= t["decoder_ms"]
+    assert t["queue_ms"] <= t["admit_ms"] <= t["engine_ms"] <= t["total_ms"] - t["audio_ms"]
+    # the CPU runs the encoder eagerly between the queue and the admission marks
+    assert t["admit_ms"] - t["queue_ms"] >= 0.5 * t["encoder_ms"]
+    stages = stage_seconds(t)
+    assert set(stages) == set(STAGES) and all(v >= 0 for v in stages.values())
+    assert 1e3 * sum(stages.values()) == pytest.approx(t["total_ms"] - t["audio_ms"], rel=1e-9)
+    assert stage_seconds({k: v for k, v in t.items() if k != "engine_ms"}) is None
 
 
 def test_default_budget_grows_with_duration(tiny_asr):

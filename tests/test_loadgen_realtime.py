@@ -221,7 +221,8 @@ def test_realtime_benchmark_section_against_glmasr_serve(tiny_shipped, tmp_path)
     p = subprocess.run([sys.executable, "-m", "scripts.bench.realtime_load", "--model", str(tiny_shipped),
                         "--device", "cpu", "--max-batch", "8", "--warmup", "request", "--sessions", "4",
                         "--partial-sessions", "2", "--partial-hop-ms", "500", "--seconds", "5", "--ramp", "1",
-                        "--out", str(tmp_path), "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                        "--profile-s", "1", "--out", str(tmp_path), "--json", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300,
                        check=False)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:],
                                (tmp_path / "realtime_server.log").read_text()[-2000:])
@@ -241,6 +242,16 @@ def test_realtime_benchmark_section_against_glmasr_serve(tiny_shipped, tmp_path)
         assert row["turn_end_vs_offline_ms"]["p95"] <= 100, row["turn_end_vs_offline_ms"]
         assert row["server"]["cpu_percent"] > 0 and row["server"]["cpu_count"] >= 1
         assert row["audio_s"] >= row["sessions"] * 5 and row["client_send_lag_ms"]["n"] > 0 and row["ramp_s"] == 1
+        # the server's stages of the level's finals (one engine request each), from its /metrics histograms
+        stages = row["server_stages_ms"]
+        assert set(stages) == {"queue", "encode", "decode", "transit"}, stages
+        for st in stages.values():
+            assert st["n"] == t["completed"] and st["mean"] >= 0, stages
+            assert st["p95"] is None or st["p50"] <= st["p95"], stages
+        # --profile-s: py-spy's summary of the server's processes, or why there is none
+        prof = row["profile"]
+        assert (prof.get("error", "").startswith("py-spy not found") if shutil.which("py-spy") is None
+                else [q["pid"] for q in prof["processes"]][:1] == [report["server_pid"]]), prof
     # partials on: every turn has at least one interval (onset to end of speech when nothing agreed early)
     partial = report["levels"][1]
     assert partial["partial_interval_ms"]["n"] >= partial["turns"]["completed"]

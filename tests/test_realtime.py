@@ -758,6 +758,9 @@ def test_32_sessions_at_real_time_lose_nothing(server, asr):
     assert metric(server, "glmasr_realtime_turns_total") >= 2 * n
     assert 'glmasr_realtime_turns_failed_total{' not in text
     assert re.search(r"^glmasr_realtime_completed_seconds_count ([0-9.]+)", text, re.M)
+    # every final's engine request: its stages
+    for stage in ("queue", "encode", "decode", "transit"):
+        assert metric(server, f'glmasr_request_stage_seconds_count{{kind="realtime",stage="{stage}"}}') >= 2 * n
 
 
 def test_data_parallel_engine_workers(tiny_shipped, asr):

@@ -161,8 +161,10 @@ def test_json_text_and_formats_equal_the_engine(client, clips, tc, asr):
     assert metric(after, "glmasr_audio_seconds_total") - metric(before, "glmasr_audio_seconds_total") == \
         pytest.approx(5 + 10 + 3 + 30 + 5 + 10 + 5, abs=0.01)
     assert metric(after, "glmasr_generated_tokens_total") > metric(before, "glmasr_generated_tokens_total")
-    for name in ("glmasr_time_to_first_token_seconds_count", 'glmasr_request_latency_seconds_count{stream="false"}'):
-        assert metric(after, name) - metric(before, name) == 7
+    for name in ("glmasr_time_to_first_token_seconds_count", 'glmasr_request_latency_seconds_count{stream="false"}',
+                 *(f'glmasr_request_stage_seconds_count{{kind="transcription",stage="{s}"}}'
+                   for s in ("queue", "encode", "decode", "transit"))):
+        assert metric(after, name) - metric(before, name) == 7, name
 
 
 def test_containers_through_pyav(client, asr, tmp_path):

@@ -32,7 +32,7 @@
   then their join). Input bytes: what the caller holds (``bytes``; a spooled upload still in memory; a path or a
   file on disk costs none), twice for in-memory audio up to ``NATIVE_COPY_MAX_BYTES`` (16 MiB) on Linux, which
   libsndfile gets as a memfd copy so that it reads natively instead of through Python callbacks (each takes the
-  GIL: under a busy server's event loop they made a decode 50-70x slower; ``_Source.sf_target``). PyAV adds FFmpeg's own buffers: its probe window (up to ~5 MB), a packet and one
+  GIL; ``_Source.sf_target``). PyAV adds FFmpeg's own buffers: its probe window (up to ~5 MB), a packet and one
   decoded codec frame (frames of more than ``MAX_CODEC_FRAME_SAMPLES`` samples are refused). ``read_file``
   returns the full-rate signal and so holds it.
 - Bad input (missing/corrupt file, empty audio, NaN/inf, a bad sample rate) raises ``AudioError`` naming it.
@@ -201,7 +201,7 @@ class _Source:
 
         Why: libsndfile reads a Python file object through callbacks, each of which must take the GIL. In a server
         whose event loop keeps the GIL busy, every callback waits up to the interpreter's switch interval for it,
-        so decoding an upload took 60-90 ms instead of ~1.3 (notes/measurements.md, thirteenth session). With a
+        so decoding an upload under load took ~70 ms, ~13 ms natively (notes/measurements.md, thirteenth session). With a
         path it reads natively and needs the GIL only when a block is handed back."""
         native = self.native_path()
         return native if native is not None else self.target()

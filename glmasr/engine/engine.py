@@ -172,6 +172,11 @@ class Engine:
             runner.prefill([s.slot for s in admitted], [s.prompt_embeds for s in admitted],
                            [s.max_new_tokens for s in admitted], [s.ignore_eos for s in admitted])
             sched.after_prefill(admitted)
+            now = time.perf_counter()
+            for s in admitted:
+                req = sched.requests.get(s.request_id)
+                if req is not None:
+                    req.timing.setdefault("prefill", now)
             steps = 1
         plan = sched.next_decode(steps)
         if plan is not None:
@@ -208,6 +213,7 @@ class Engine:
                 req = self.scheduler.requests.get(seq.request_id)
                 finished = self.scheduler.finish(seq)
                 if finished:
+                    req.timing["finished"] = time.perf_counter()
                     timing = _request_timing(req.timing)
             if new or reason is not None:
                 outputs.append(SequenceOutput(seq.request_id, seq.index, new, reason, stop_token, finished, timing,
@@ -243,7 +249,9 @@ class Engine:
 
 def _request_timing(t: dict) -> dict:
     """Engine-side timings of a finished request (ms): queue (added -> first encoder work), encoder (GPU spans
-    of its encoder calls, or their wall time on the CPU), features (host packing, part of encoder)."""
+    of its encoder calls, or their wall time on the CPU), features (host packing, part of encoder), admit (added ->
+    its first prefill launched), engine (added -> its end read back). The host's clock: a prefill is launched, not
+    yet run, at its mark."""
     encoder_ms = 0.0
     features_s = 0.0
     for e in t["encodes"]:
@@ -255,4 +263,8 @@ def _request_timing(t: dict) -> dict:
     out = {"encoder_ms": encoder_ms, "features_ms": 1e3 * features_s}
     if "first_encode" in t:
         out["queue_ms"] = 1e3 * (t["first_encode"] - t["added"])
+    if "prefill" in t:
+        out["admit_ms"] = 1e3 * (t["prefill"] - t["added"])
+    if "finished" in t:
+        out["engine_ms"] = 1e3 * (t["finished"] - t["added"])
     return out

@@ -123,6 +123,8 @@ class LiveMetrics(Protocol):
       detection stopped, the ``commit()`` call otherwise) to the first text the final sends (or its completion,
       when partials had already sent all of it).
     - ``on_completed(seconds)``: from the same instant to ``TranscriptCompleted``.
+    - ``on_timings(timings_ms)``: the final's engine result's ``Transcription.timings_ms`` (once per engine request
+      of the final), for a breakdown of where its time went.
     - ``on_failed(code)``: a ``TranscriptFailed`` was emitted.
     - ``on_forcing(changed)``: the forcing audit: a final forced to start with the agreed partial text was
       compared with an unforced decode of the same samples (run at draft priority when the engine had room);
@@ -140,6 +142,8 @@ class LiveMetrics(Protocol):
     def on_first_delta(self, seconds: float) -> None: ...
 
     def on_completed(self, seconds: float) -> None: ...
+
+    def on_timings(self, timings_ms: dict) -> None: ...
 
     def on_failed(self, code: str) -> None: ...
 

@@ -674,6 +674,7 @@ class LiveSession:
                         self._send(item, (base + sep + streamed).rstrip())
                     if result is None:
                         raise RuntimeError(f"the transcription of {item.item_id} was aborted")
+                    self._metric("on_timings", result.timings_ms)
                     texts.append(result.text)
                     if self.settings.word_timestamps:
                         words += [ev.TimedWord(w.word, offset + w.start, offset + w.end)

@@ -10,6 +10,15 @@
 | glmasr_engine_pending_requests | gauge | requests the engine holds (queued or running) |
 | glmasr_time_to_first_token_seconds | histogram | request received -> first tokens back from the engine |
 | glmasr_request_latency_seconds{stream} | histogram | request received -> last byte of the answer produced |
+| glmasr_request_stage_seconds{kind,stage} | histogram | where a transcribed request's time went (below) |
+
+Stages (``STAGES``, from the result's ``timings_ms``; kind "transcription" for the HTTP API, "realtime" for the
+final of a live turn): ``queue`` its arrival in the engine -> the engine's first encoder work for it; ``encode``
+-> its first prefill launched (the encoder, and the wait for a slot and a round); ``decode`` -> its end read back
+by the engine (prefill and decode steps, shared with the batch); ``transit`` the rest of the request's time after
+its audio was decoded: between the caller and the engine (the engine process's pipes, the event loops, the
+detokenizer). The four add up to the request's time from decoded audio to its transcript (word alignment and the
+wait for diarization, when asked for, apart).
 
 Outcomes: ok, bad_request, unauthorized, not_found, too_large, rejected (queue full), unavailable (warming up,
 shutting down, too many uploads, or the engine worker holding it died), timed_out (an upload too slow: 408; a
@@ -71,7 +80,25 @@ OUTCOMES = ("ok", "bad_request", "unauthorized", "not_found", "too_large", "reje
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # live latencies are judged around 100-300 ms: finer there
 _LIVE_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
+# a request's stages run from well under a millisecond (an idle engine's queue) to seconds
+_STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                  1.5, 2.5, 5.0, 10.0, 30.0)
 DRAFT_OUTCOMES = ("sent", "skipped", "aborted", "failed")
+STAGES = ("queue", "encode", "decode", "transit")
+STAGE_KINDS = ("transcription", "realtime")
+
+
+def stage_seconds(timings_ms: dict) -> dict[str, float] | None:
+    """A result's ``timings_ms`` -> seconds per stage (``STAGES``), or None when the engine's marks are missing (a
+    request that ended before its prefill, an engine without them)."""
+    t = timings_ms or {}
+    if not all(k in t for k in ("queue_ms", "admit_ms", "engine_ms", "total_ms")):
+        return None
+    queue, admit, engine = t["queue_ms"], t["admit_ms"], t["engine_ms"]
+    # alignment and diarization add their own time to total_ms after the engine is done: not a stage here
+    transit = t["total_ms"] - t.get("audio_ms", 0.0) - t.get("align_ms", 0.0) - t.get("diarize_wait_ms", 0.0) - engine
+    return {"queue": queue / 1e3, "encode": max(0.0, admit - queue) / 1e3, "decode": max(0.0, engine - admit) / 1e3,
+            "transit": max(0.0, transit) / 1e3}
 
 
 def outcome_for(status: int) -> str:
@@ -115,6 +142,11 @@ class Metrics:
                                  ["stream"], buckets=_BUCKETS, registry=r)
         for v in ("true", "false"):
             self.latency.labels(v)
+        self.stages = Histogram("glmasr_request_stage_seconds", "Where a transcribed request's time went, by stage",
+                                ["kind", "stage"], buckets=_STAGE_BUCKETS, registry=r)
+        for kind in STAGE_KINDS:
+            for stage in STAGES:
+                self.stages.labels(kind, stage)
         if workers is not None:
             local.register(_WorkerCollector(workers))
         self.frontend = None
@@ -158,6 +190,14 @@ class Metrics:
         MultiProcessCollector(summed, path=self._multiprocess_dir)
         return generate_latest(summed) + generate_latest(self._local)
 
+    def observe_stages(self, kind: str, timings_ms: dict) -> None:
+        """Record a transcribed request's stages (``stage_seconds``) under ``kind`` ("transcription" or
+        "realtime")."""
+        stages = stage_seconds(timings_ms)
+        if stages is not None:
+            for stage, seconds in stages.items():
+                self.stages.labels(kind, stage).observe(seconds)
+
     def reached(self, kind: str) -> None:
         """A transcription request ("transcription") or a realtime session ("realtime") reached this front-end
         (counted with ``--frontends`` only)."""
@@ -189,6 +229,9 @@ class LiveMetrics:
 
     def on_completed(self, seconds: float) -> None:
         self._m.live_completed.observe(seconds)
+
+    def on_timings(self, timings_ms: dict) -> None:
+        self._m.observe_stages("realtime", timings_ms)
 
     def on_failed(self, code: str) -> None:
         self._m.live_turns_failed.labels(code or "error").inc()

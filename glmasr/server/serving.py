@@ -323,6 +323,7 @@ class TranscriptionService:
         m.prompt_tokens.inc(started.job.prompt_tokens)
         if started.job.first_output_at is not None:
             m.ttft.observe(started.job.first_output_at - started.t0)
+        m.observe_stages("transcription", result.timings_ms)
 
     async def transcribe(self, started: Started, disconnected, req: TranscriptionRequest | None = None) -> object:
         """The ``Transcription`` of a submitted request; aborts it (and raises ``ClientGone``) when the awaitable

@@ -3,7 +3,8 @@
     bash benchmark.sh --only realtime [--realtime-sessions 64,256,512] [--realtime-partial-sessions 32,128]
                       [--realtime-seconds 60]        # as a benchmark.sh section (full-size checkpoint, H200)
     python -m scripts.bench.realtime_load [--model FOLDER] [--device cuda] [--sessions 64,256,512]
-        [--partial-sessions 32,128] [--seconds 60] [--chunk-ms 40] [--procs P] [--audio FILE...] [--json FILE]
+        [--partial-sessions 32,128] [--seconds 60] [--chunk-ms 40] [--procs P] [--audio FILE...] [--profile-s S]
+        [--json FILE]
 
 Starts ``glmasr serve`` in its own process on a free 127.0.0.1 port (``--max-realtime-sessions`` above the largest
 N), then for each N in ``--sessions`` runs the load generator's realtime mode (``python -m glmasr.server.loadgen
@@ -13,7 +14,12 @@ and stops the server (SIGTERM: it drains). The server decodes ``--tokens-per-s``
 of each prompt's audio (``scripts.bench.forced_serve``): random weights never stop on their own, and the default
 budget (32 + 6 per second) is several times what speech gives. Per N: p50/p95/p99 from end of speech to
 ``completed``, the partial update interval, the drafts the server sent, skipped and aborted (from its /metrics),
-lost/failed turns (must be 0), the server's CPU (its process tree) and GPU use (nvidia-smi); the
+lost/failed turns (must be 0), the server's CPU (its process tree) and GPU use (nvidia-smi), where the finals'
+time went on the server (``server_stages_ms``: the mean and approximate p50 / p95 of each stage of
+``glmasr_request_stage_seconds{kind="realtime"}`` in the level: queue, encode, decode, transit; from /metrics'
+histogram buckets, interpolated) and, with ``--profile-s S``, a py-spy summary of every server process sampled for
+S seconds from a third of the way into the level (``scripts/bench/profile_tree.py``; raw stacks under
+``--out``/profile_N); the
 issue's targets on the H200: >= 500 sessions, finals only, p95 <= 300 ms; >= 128 sessions with partials at a 1 s
 hop, p95 interval <= 1.5 s; 0 lost turns. The clients run in ``--procs`` processes (default: one per 128
 sessions, at most 8), so that the client's own interpreter does not become the bottleneck; each row's
@@ -26,6 +32,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 
@@ -37,7 +44,7 @@ def run(folder, device: str = "cuda", sessions=(64, 256, 512), partial_sessions=
         chunk_ms: int = 40, partial_hop_ms: int = 1000, procs: int | None = None, max_batch: int | None = None,
         warmup: str = "full", out_dir: Path | None = None, health_timeout_s: float = 600.0,
         grace: float = 60.0, ramp_s: float | None = None, audio: tuple[str, ...] = (),
-        tokens_per_s: float | None = 3.0, server_flags=()) -> dict:
+        tokens_per_s: float | None = 3.0, server_flags=(), profile_s: float = 0.0) -> dict:
     """The section: every level's loadgen row, the table, the server's settings and exit status."""
     from glmasr.server import loadgen
     from scripts.bench.serve_load import start_server, stop_server
@@ -57,6 +64,7 @@ def run(folder, device: str = "cuda", sessions=(64, 256, 512), partial_sessions=
               "max_batch": max_batch, "levels": []}
     try:
         report["server_ready_s"] = round(loadgen.wait_healthy(port, health_timeout_s, lambda: proc.poll() is None), 1)
+        report["server_pid"] = proc.pid
         for partials, levels in ((False, sessions), (True, partial_sessions)):
             for n in levels:
                 path = out_dir / f"realtime_{n}{'_partials' if partials else ''}.json"
@@ -69,8 +77,19 @@ def run(folder, device: str = "cuda", sessions=(64, 256, 512), partial_sessions=
                     argv += ["--ramp", str(ramp_s)]
                 if audio:
                     argv += ["--audio", *map(str, audio)]
-                before = draft_counts(port)
+                before, stages_before = draft_counts(port), stage_histograms(port)
+                profile: dict = {}
+                timer = None
+                if profile_s > 0:
+                    from scripts.bench.profile_tree import profile_tree
+
+                    tag = f"{n}{'_partials' if partials else ''}"
+                    timer = threading.Timer(max(5.0, seconds / 3), lambda: profile.update(profile_tree(
+                        proc.pid, profile_s, out_dir=out_dir / f"profile_{tag}")))
+                    timer.start()
                 rc = loadgen.main(argv)
+                if timer is not None:
+                    timer.join(profile_s + 60)
                 result = json.loads(path.read_text())
                 report.setdefault("audio", result["audio"])
                 row = result["levels"][0]
@@ -79,6 +98,9 @@ def run(folder, device: str = "cuda", sessions=(64, 256, 512), partial_sessions=
                 # agree, which random weights never do: the cadence of drafts is the server's side of it)
                 after = draft_counts(port)
                 row["server_drafts"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                row["server_stages_ms"] = stage_summary(stages_before, stage_histograms(port))
+                if profile:
+                    row["profile"] = profile
                 report["levels"].append(row)
                 print(f"[realtime] {json.dumps(row)}", flush=True)
     finally:
@@ -101,6 +123,60 @@ def draft_counts(port: int) -> dict[str, float]:
         return {}
     return {m[1]: float(m[2]) for m in re.finditer(r'^glmasr_realtime_drafts_total\{outcome="(\w+)"\} (\S+)$', text,
                                                      re.M)}
+
+
+def stage_histograms(port: int, kind: str = "realtime") -> dict[str, dict]:
+    """``glmasr_request_stage_seconds{kind=...}`` per stage from /metrics: {stage: {"le": {bound: count}, "sum",
+    "count"}} ({} when it cannot be read)."""
+    import re
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    except OSError:
+        return {}
+    out: dict[str, dict] = {}
+    pat = re.compile(r'^glmasr_request_stage_seconds_(bucket|sum|count)\{kind="(\w+)",(?:le="([^"]+)",)?'
+                     r'stage="(\w+)"(?:,le="([^"]+)")?\} (\S+)$', re.M)
+    for part, k, le1, stage, le2, value in pat.findall(text):
+        if k != kind:
+            continue
+        h = out.setdefault(stage, {"le": {}, "sum": 0.0, "count": 0.0})
+        if part == "bucket":
+            h["le"][float(le1 or le2)] = float(value)
+        else:
+            h[part] = float(value)
+    return out
+
+
+def stage_summary(before: dict, after: dict) -> dict[str, dict]:
+    """Per stage, what the level added: n, mean ms and p50 / p95 ms interpolated within the histogram's buckets."""
+    out = {}
+    for stage, h in after.items():
+        b = before.get(stage, {"le": {}, "sum": 0.0, "count": 0.0})
+        n = h["count"] - b["count"]
+        if n <= 0:
+            continue
+        bounds = sorted(h["le"])
+        cum = [h["le"][x] - b["le"].get(x, 0.0) for x in bounds]
+
+        def quantile(q: float) -> float | None:
+            target, lo, prev = q * n, 0.0, 0.0
+            for bound, c in zip(bounds, cum):
+                if c >= target:
+                    if bound == float("inf"):
+                        return None  # beyond the last finite bucket
+                    return 1e3 * (lo + (bound - lo) * (target - prev) / max(c - prev, 1e-9))
+                lo, prev = bound, c
+            return None
+
+        out[stage] = {"n": int(n), "mean": round(1e3 * (h["sum"] - b["sum"]) / n, 1),
+                      "p50": _round(quantile(0.5)), "p95": _round(quantile(0.95))}
+    return out
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 1)
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -129,6 +205,8 @@ def main(argv=None) -> int:
                         "their own; default 3, about what speech gives; 0 = the server's own budgets)")
     p.add_argument("--server-flag", action="append", default=[], metavar="FLAG",
                    help="a flag for glmasr serve (repeatable; e.g. --server-flag=--max-batch=128)")
+    p.add_argument("--profile-s", type=float, default=0.0,
+                   help="py-spy every server process for this many seconds in each level (0: off)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for the logs and rows")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -141,7 +219,7 @@ def main(argv=None) -> int:
     report = run(folder, args.device, _sizes(args.sessions), _sizes(args.partial_sessions), args.seconds,
                  args.chunk_ms, args.partial_hop_ms, args.procs, args.max_batch, args.warmup, Path(args.out),
                  ramp_s=args.ramp, audio=tuple(args.audio), tokens_per_s=args.tokens_per_s or None,
-                 server_flags=tuple(args.server_flag))
+                 server_flags=tuple(args.server_flag), profile_s=args.profile_s)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1
