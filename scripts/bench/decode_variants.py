@@ -1,14 +1,16 @@
 """The batch-1 decode step under its alternatives, in one process (issue 27, item 2): ms per token at each context
 for the decode GEMVs on Triton (``fast_decoder.CUDA_GEMV_SHAPES`` emptied) or on the CUDA GEMV, RoPE + KV append
 in its own kernel or in the qkv CUDA GEMV (``fast_decoder.QKV_ROPE_WEIGHTS``), and decode attention's split
-partials combined by a second kernel or in-kernel (the decoder's ``attn_counters`` set to None or not). Each
+partials combined by a second kernel or in-kernel (the decoder's ``attn_counters`` set to None or not).
+``--probe``: two more rows, timing probes with wrong results (graphs only, no clip): the shipped step with its
+RMSNorm launches skipped, and with its decode attention launches skipped (what each family costs at most). Each
 variant has its own runner, whose graphs are captured under that variant's settings; the variants are timed in
 interleaved rounds (``--rounds``, each a median of 10 calls of 8 steps) and each figure is the median over the
 rounds, so slow drifts of the clock hit every variant alike. Then the 3.5 s clip end to end (13 tokens) per
 variant.
 
     python -m scripts.bench.decode_variants [--model FOLDER] [--contexts 64,512,2048,8184] [--rounds 3]
-        [--json FILE] [--int8] [--triton]
+        [--json FILE] [--int8] [--triton] [--probe]
 
 ``--int8``: the int8 decode weights too (``load(decode_weights="int8")``, a second model in the same process);
 ``--triton``: one more row, the Triton GEMVs.
@@ -32,6 +34,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--int8", action="store_true", help="also the int8 decode weights")
     p.add_argument("--triton", action="store_true", help="also the Triton GEMVs")
+    p.add_argument("--probe", action="store_true",
+                   help="also the step without its RMSNorm / decode attention launches (timing only)")
     args = p.parse_args(argv)
 
     import torch
@@ -47,6 +51,7 @@ def main(argv=None) -> int:
     cfg = asr.config.text
     shipped = fast_decoder.CUDA_GEMV_SHAPES, fast_decoder.QKV_ROPE_WEIGHTS
     table = shipped[0]
+    real = {"rms_norm": fast_decoder.rms_norm, "decode_attention": fast_decoder.decode_attention}
     contexts = [int(c) for c in args.contexts.split(",")]
     int8_asr = glmasr.load(folder, device="cuda", decode_weights="int8") if args.int8 else None
     counters = {id(asr): asr.model.decoder.attn_counters}
@@ -56,13 +61,28 @@ def main(argv=None) -> int:
     runs += [("cuda GEMVs, separate rope, separate combine", table, none, False, asr),
              ("cuda GEMVs, rope in qkv, separate combine", table, every, False, asr),
              ("cuda GEMVs, rope in qkv, in-kernel combine", table, every, True, asr)]
+    if args.probe:
+        runs += [("PROBE no rms_norm: cuda GEMVs, rope in qkv, in-kernel combine (wrong results)", table, every,
+                  True, asr),
+                 ("PROBE no decode_attention: cuda GEMVs, rope in qkv, in-kernel combine (wrong results)", table,
+                  every, True, asr)]
     if int8_asr is not None:
         counters[id(int8_asr)] = int8_asr.model.decoder.attn_counters
         runs += [("int8, separate rope, separate combine", table, none, False, int8_asr),
                  ("int8, separate rope, in-kernel combine", table, none, True, int8_asr),
                  ("int8, rope in qkv, in-kernel combine", table, every, True, int8_asr)]
 
-    def use(table, rope, combine, handle):
+    def skip_norm(x, weight, eps=1e-5, residual=None):
+        return x if residual is None else (x, residual)
+
+    def skip_attention(q, *args, **kwargs):
+        return q
+
+    def use(table, rope, combine, handle, name=""):
+        # a probe's kernels skipped while its graphs are captured (and only then: the others capture the real ones)
+        fast_decoder.rms_norm = skip_norm if name.startswith("PROBE no rms_norm") else real["rms_norm"]
+        fast_decoder.decode_attention = (skip_attention if name.startswith("PROBE no decode_attention")
+                                         else real["decode_attention"])
         fast_decoder.CUDA_GEMV_SHAPES, fast_decoder.QKV_ROPE_WEIGHTS = table, rope
         handle.model.decoder.attn_counters = counters[id(handle)] if combine else None
 
@@ -71,7 +91,7 @@ def main(argv=None) -> int:
     samples = [{c: [] for c in contexts} for _ in runs]
     for rnd in range(args.rounds):
         for (name, table_, rope, combine, handle), runner, sample in zip(runs, runners, samples):
-            use(table_, rope, combine, handle)  # graphs are captured on first use, under these settings
+            use(table_, rope, combine, handle, name)  # graphs are captured on first use, under these settings
             for ctx in contexts:
                 ctx_ = min(ctx, runner.capacity - steps)
                 fill_decode_state(runner, cfg, ctx_)
@@ -91,6 +111,8 @@ def main(argv=None) -> int:
     clip = noise_clip(3.5, seed=0)
     latency = {}
     for name, table_, rope, combine, handle in runs:
+        if name.startswith("PROBE"):
+            continue
         use(table_, rope, combine, handle)
         handle.engine.runner.drop_graphs()
         for _ in range(3):  # captures, then steady state
@@ -105,6 +127,7 @@ def main(argv=None) -> int:
         latency[name] = round(sorted(walls)[len(walls) // 2], 2)
         print(f"3.5 s clip, 13 tokens, {name}: {latency[name]} ms (median of 10)", flush=True)
     fast_decoder.CUDA_GEMV_SHAPES, fast_decoder.QKV_ROPE_WEIGHTS = shipped
+    fast_decoder.rms_norm, fast_decoder.decode_attention = real["rms_norm"], real["decode_attention"]
     for handle in {id(h): h for *_, h in runs}.values():
         handle.model.decoder.attn_counters = counters[id(handle)]
         handle.close()
