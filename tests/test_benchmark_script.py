@@ -131,6 +131,10 @@ def test_ingest_runs_on_the_cpu(tmp_path):
     assert call["ok"] == call["submitted"] == 6 and call["failed"] == 0, call
     assert r["upload_mb"] > 0 and call["MB_per_s"] > 0 and call["audio_ms"]["max"] > 0
     assert 0 < call["answers_s"]["first"] <= call["answers_s"]["last"] <= call["wall_s"] + 0.05
+    # the clients start together once all are ready (a barrier), and each request was handed to the HTTP layer
+    # before its answer came back
+    assert 0 <= call["clients_start_spread_s"] < 1.0, call
+    assert 0 <= call["sent_s"]["first"] <= call["sent_s"]["last"] <= call["answers_s"]["last"], call
 
 
 def test_profile_tree_summary_and_processes(tmp_path):

@@ -136,23 +136,36 @@ def loadgen_wait(port: int, timeout_s: float, proc) -> float:
     return loadgen.wait_healthy(port, timeout_s, lambda: proc.poll() is None)
 
 
-def _client_proc(base_url: str, clips, start_at: float) -> dict:
-    """One client process: waits for the common start (CLOCK_MONOTONIC is system-wide), sends its clips."""
+_START_BARRIER = None  # a client process's barrier (``_send_from_procs``), set by the pool's initializer
+
+
+def _init_client(barrier) -> None:
+    global _START_BARRIER
+    _START_BARRIER = barrier
+
+
+def _client_proc(base_url: str, clips) -> dict:
+    """One client process: once every client holds its clips and its imports (the barrier), sends its clips."""
     import time
 
     import httpx2  # noqa: F401  (imported before the start, not inside the timed part)
     import openai  # noqa: F401
 
-    time.sleep(max(0.0, start_at - time.monotonic()))
+    _START_BARRIER.wait(timeout=600)
+    start = time.monotonic()  # CLOCK_MONOTONIC is system-wide: the processes' starts compare
     cpu0 = time.process_time()
     row = asyncio.run(_send_all(base_url, clips))
+    row["start"] = start
     row["end"] = time.monotonic()
     row["client_cpu_s"] = time.process_time() - cpu0
     return row
 
 
 def _send_from_procs(base_url: str, clips, procs: int) -> dict:
-    """The clips over ``procs`` client processes (1: this one); wall from the common start to the last answer."""
+    """The clips over ``procs`` client processes (1: this one); wall from the common start to the last answer.
+    The start is when every client process is ready (its clips received through the pool's pipe, openai imported:
+    a barrier), not a fixed delay after the pool starts: shipping 146 MB of clips to fresh processes took longer
+    than any fixed head start on a loaded machine, and the wall then counted the clients' own start-up."""
     import multiprocessing as mp
     import time
 
@@ -161,13 +174,18 @@ def _send_from_procs(base_url: str, clips, procs: int) -> dict:
         row = asyncio.run(_send_all(base_url, clips))
         row["client_cpu_s"] = round(time.process_time() - cpu0, 2)
         return _answer_times(row, row["t0"])
-    with mp.get_context("spawn").Pool(procs) as pool:
-        start_at = time.monotonic() + 3.0  # past every worker's start-up
-        rows = pool.starmap(_client_proc, [(base_url, clips[i::procs], start_at) for i in range(procs)])
-    row = {"wall_s": round(max(r["end"] for r in rows) - start_at, 3), "ok": sum(r["ok"] for r in rows),
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(procs)
+    # one task per process: each blocks at the barrier until all are taken, so no process takes two
+    with ctx.Pool(procs, initializer=_init_client, initargs=(barrier,)) as pool:
+        rows = pool.starmap(_client_proc, [(base_url, clips[i::procs]) for i in range(procs)], chunksize=1)
+    start = min(r["start"] for r in rows)
+    row = {"wall_s": round(max(r["end"] for r in rows) - start, 3), "ok": sum(r["ok"] for r in rows),
            "failed": sum(r["failed"] for r in rows), "errors": [e for r in rows for e in r["errors"]][:5],
-           "client_cpu_s": [round(r["client_cpu_s"], 2) for r in rows], "done": [t for r in rows for t in r["done"]]}
-    return _answer_times(row, start_at)
+           "client_cpu_s": [round(r["client_cpu_s"], 2) for r in rows], "done": [t for r in rows for t in r["done"]],
+           "sent": [t for r in rows for t in r["sent"]],
+           "clients_start_spread_s": round(max(r["start"] for r in rows) - start, 4)}
+    return _answer_times(row, start)
 
 
 async def _send_all(base_url: str, clips) -> dict:
@@ -177,9 +195,14 @@ async def _send_all(base_url: str, clips) -> dict:
     import httpx2
     import openai
 
+    sent: list[float] = []
+
+    async def on_request(request) -> None:  # the request built by the SDK, about to go out
+        sent.append(time.monotonic())
+
     http = openai.DefaultAsyncHttpxClient(limits=httpx2.Limits(max_connections=len(clips) + 8,
                                                               max_keepalive_connections=len(clips) + 8),
-                                          timeout=httpx2.Timeout(600))
+                                          timeout=httpx2.Timeout(600), event_hooks={"request": [on_request]})
     client = openai.AsyncOpenAI(base_url=base_url, api_key="none", http_client=http, max_retries=0)
     errors = []
 
@@ -199,19 +222,22 @@ async def _send_all(base_url: str, clips) -> dict:
     wall = time.monotonic() - t0
     await client.close()
     return {"wall_s": round(wall, 3), "ok": sum(t is not None for t in texts), "failed": len(errors),
-            "errors": errors[:5], "t0": t0, "done": done}
+            "errors": errors[:5], "t0": t0, "done": done, "sent": sent}
 
 
 def _answer_times(row: dict, start: float) -> dict:
     """Seconds from the start to the first, 10th, 50th and 90th percentile and last answers (where the wall goes:
-    late first answers mean the uploads' way in, a long spread the engine)."""
+    late first answers mean the uploads' way in, a long spread the engine), and the same for the instants the
+    clients' HTTP layer got each request to send (``sent_s``: late ones mean the clients' own work, building the
+    requests, held the uploads back)."""
     import numpy as np
 
-    d = np.sort(np.asarray(row.pop("done"), dtype=np.float64) - start)
     row.pop("t0", None)
-    if d.size:
-        row["answers_s"] = {q: round(float(np.quantile(d, f)), 3) for q, f in
-                            (("first", 0.0), ("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("last", 1.0))}
+    for key, out in (("done", "answers_s"), ("sent", "sent_s")):
+        d = np.sort(np.asarray(row.pop(key, []), dtype=np.float64) - start)
+        if d.size:
+            row[out] = {q: round(float(np.quantile(d, f)), 3) for q, f in
+                        (("first", 0.0), ("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("last", 1.0))}
     return row
 
 
