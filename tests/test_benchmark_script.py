@@ -168,3 +168,21 @@ def test_profile_tree_summary_and_processes(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+def test_realtime_stage_summary_from_histograms():
+    """realtime_load.stage_summary: a level's share of cumulative /metrics buckets -> n, mean and quantiles
+    interpolated inside the bucket that holds them (None past the last finite bound)."""
+    from scripts.bench.realtime_load import stage_summary
+
+    inf = float("inf")
+    before = {"queue": {"le": {0.01: 5.0, 0.1: 5.0, 1.0: 5.0, inf: 5.0}, "sum": 0.02, "count": 5.0}}
+    # the level adds 10 observations: 4 in (0, 0.01], 4 in (0.01, 0.1], 1 in (0.1, 1], 1 above 1 s
+    after = {"queue": {"le": {0.01: 9.0, 0.1: 13.0, 1.0: 14.0, inf: 15.0}, "sum": 0.02 + 2.5, "count": 15.0},
+             "decode": {"le": {0.01: 0.0, inf: 0.0}, "sum": 0.0, "count": 0.0}}
+    s = stage_summary(before, after)
+    assert set(s) == {"queue"}  # a stage with nothing in the level is left out
+    q = s["queue"]
+    assert q["n"] == 10 and q["mean"] == 250.0
+    assert q["p50"] == 32.5  # the 5th of 10: 1/4 of the way into (10, 100] ms
+    assert q["p95"] is None  # the 9.5th lies above the last finite bound
