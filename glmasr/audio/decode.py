@@ -200,9 +200,9 @@ class _Source:
         """What libsndfile opens: a path wherever one can be had (``native_path``), else ``target()``.
 
         Why: libsndfile reads a Python file object through callbacks, each of which must take the GIL. In a server
-        whose event loop keeps the GIL busy, every callback waits up to the interpreter's switch interval for it,
-        so decoding an upload under load took ~70 ms, ~13 ms natively (notes/measurements.md, thirteenth session). With a
-        path it reads natively and needs the GIL only when a block is handed back."""
+        whose event loop keeps the GIL busy, every callback waits up to the interpreter's switch interval for it
+        (notes/measurements.md, thirteenth session). With a path it reads natively and needs the GIL only when a
+        block is handed back."""
         native = self.native_path()
         return native if native is not None else self.target()
 
