@@ -233,11 +233,11 @@ class _Source:
 
             f = self.file
             inner = f._file if isinstance(f, tempfile.SpooledTemporaryFile) else f
-            if isinstance(inner, (io.BufferedReader, io.BufferedRandom, io.FileIO)) or (
-                    inner is not f and hasattr(inner, "fileno") and not isinstance(inner, io.BytesIO)):
+            # a file on disk (a rolled-over spool is a BufferedRandom here); not any object with a fileno(): a
+            # GzipFile's would be its compressed file
+            if isinstance(inner, (io.BufferedReader, io.BufferedRandom, io.FileIO)):
                 with self._lock:
-                    if hasattr(f, "flush") and not isinstance(f, io.BufferedReader):
-                        f.flush()
+                    f.flush()
                     fd = inner.fileno()
                 import stat
 
@@ -270,7 +270,7 @@ class _Source:
             if self._memfd is not None:
                 os.close(self._memfd)
                 self._memfd = None
-            self._native = False if self.path is None else self._native
+            self._native = False
 
 
 @dataclass

@@ -61,16 +61,6 @@ def main(argv=None) -> int:
     runs += [("cuda GEMVs, separate rope, separate combine", table, none, False, asr),
              ("cuda GEMVs, rope in qkv, separate combine", table, every, False, asr),
              ("cuda GEMVs, rope in qkv, in-kernel combine", table, every, True, asr)]
-    if args.probe:
-        runs += [("PROBE no rms_norm: cuda GEMVs, rope in qkv, in-kernel combine (wrong results)", table, every,
-                  True, asr),
-                 ("PROBE no decode_attention: cuda GEMVs, rope in qkv, in-kernel combine (wrong results)", table,
-                  every, True, asr)]
-    if int8_asr is not None:
-        counters[id(int8_asr)] = int8_asr.model.decoder.attn_counters
-        runs += [("int8, separate rope, separate combine", table, none, False, int8_asr),
-                 ("int8, separate rope, in-kernel combine", table, none, True, int8_asr),
-                 ("int8, rope in qkv, in-kernel combine", table, every, True, int8_asr)]
 
     def skip_norm(x, weight, eps=1e-5, residual=None):
         return x if residual is None else (x, residual)
@@ -78,11 +68,22 @@ def main(argv=None) -> int:
     def skip_attention(q, *args, **kwargs):
         return q
 
+    # probe runs: fast_decoder functions replaced while their graphs are captured (and only then)
+    probes = {}
+    if args.probe:
+        for attr, fn in (("rms_norm", skip_norm), ("decode_attention", skip_attention)):
+            name = f"PROBE no {attr}: cuda GEMVs, rope in qkv, in-kernel combine (wrong results)"
+            probes[name] = {attr: fn}
+            runs.append((name, table, every, True, asr))
+    if int8_asr is not None:
+        counters[id(int8_asr)] = int8_asr.model.decoder.attn_counters
+        runs += [("int8, separate rope, separate combine", table, none, False, int8_asr),
+                 ("int8, separate rope, in-kernel combine", table, none, True, int8_asr),
+                 ("int8, rope in qkv, in-kernel combine", table, every, True, int8_asr)]
+
     def use(table, rope, combine, handle, name=""):
-        # a probe's kernels skipped while its graphs are captured (and only then: the others capture the real ones)
-        fast_decoder.rms_norm = skip_norm if name.startswith("PROBE no rms_norm") else real["rms_norm"]
-        fast_decoder.decode_attention = (skip_attention if name.startswith("PROBE no decode_attention")
-                                         else real["decode_attention"])
+        for attr, fn in real.items():
+            setattr(fast_decoder, attr, probes.get(name, {}).get(attr, fn))
         fast_decoder.CUDA_GEMV_SHAPES, fast_decoder.QKV_ROPE_WEIGHTS = table, rope
         handle.model.decoder.attn_counters = counters[id(handle)] if combine else None
 
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
     clip = noise_clip(3.5, seed=0)
     latency = {}
     for name, table_, rope, combine, handle in runs:
-        if name.startswith("PROBE"):
+        if name in probes:
             continue
         use(table_, rope, combine, handle)
         handle.engine.runner.drop_graphs()
@@ -127,7 +128,8 @@ def main(argv=None) -> int:
         latency[name] = round(sorted(walls)[len(walls) // 2], 2)
         print(f"3.5 s clip, 13 tokens, {name}: {latency[name]} ms (median of 10)", flush=True)
     fast_decoder.CUDA_GEMV_SHAPES, fast_decoder.QKV_ROPE_WEIGHTS = shipped
-    fast_decoder.rms_norm, fast_decoder.decode_attention = real["rms_norm"], real["decode_attention"]
+    for attr, fn in real.items():
+        setattr(fast_decoder, attr, fn)
     for handle in {id(h): h for *_, h in runs}.values():
         handle.model.decoder.attn_counters = counters[id(handle)]
         handle.close()

@@ -77,7 +77,7 @@ def run(folder, device: str = "cuda", sessions=(64, 256, 512), partial_sessions=
                     argv += ["--ramp", str(ramp_s)]
                 if audio:
                     argv += ["--audio", *map(str, audio)]
-                before, stages_before = draft_counts(port), stage_histograms(port)
+                metrics_before = scrape_metrics(port)
                 profile: dict = {}
                 timer = None
                 if profile_s > 0:
@@ -96,9 +96,11 @@ def run(folder, device: str = "cuda", sessions=(64, 256, 512), partial_sessions=
                 row["loadgen_exit_status"] = rc
                 # what the server did with drafts in this level (a client sees a partial only once two drafts
                 # agree, which random weights never do: the cadence of drafts is the server's side of it)
-                after = draft_counts(port)
+                metrics_after = scrape_metrics(port)
+                before, after = draft_counts(metrics_before), draft_counts(metrics_after)
                 row["server_drafts"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-                row["server_stages_ms"] = stage_summary(stages_before, stage_histograms(port))
+                row["server_stages_ms"] = stage_summary(stage_histograms(metrics_before),
+                                                        stage_histograms(metrics_after))
                 if profile:
                     row["profile"] = profile
                 report["levels"].append(row)
@@ -112,29 +114,29 @@ def run(folder, device: str = "cuda", sessions=(64, 256, 512), partial_sessions=
     return report
 
 
-def draft_counts(port: int) -> dict[str, float]:
-    """``glmasr_realtime_drafts_total`` by outcome from the server's /metrics ({} when it cannot be read)."""
-    import re
+def scrape_metrics(port: int) -> str:
+    """The server's /metrics text ("" when it cannot be read)."""
     import urllib.request
 
     try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     except OSError:
-        return {}
+        return ""
+
+
+def draft_counts(text: str) -> dict[str, float]:
+    """``glmasr_realtime_drafts_total`` by outcome from a /metrics text."""
+    import re
+
     return {m[1]: float(m[2]) for m in re.finditer(r'^glmasr_realtime_drafts_total\{outcome="(\w+)"\} (\S+)$', text,
                                                      re.M)}
 
 
-def stage_histograms(port: int, kind: str = "realtime") -> dict[str, dict]:
-    """``glmasr_request_stage_seconds{kind=...}`` per stage from /metrics: {stage: {"le": {bound: count}, "sum",
-    "count"}} ({} when it cannot be read)."""
+def stage_histograms(text: str, kind: str = "realtime") -> dict[str, dict]:
+    """``glmasr_request_stage_seconds{kind=...}`` per stage from a /metrics text: {stage: {"le": {bound: count},
+    "sum", "count"}}."""
     import re
-    import urllib.request
 
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    except OSError:
-        return {}
     out: dict[str, dict] = {}
     pat = re.compile(r'^glmasr_request_stage_seconds_(bucket|sum|count)\{kind="(\w+)",(?:le="([^"]+)",)?'
                      r'stage="(\w+)"(?:,le="([^"]+)")?\} (\S+)$', re.M)
