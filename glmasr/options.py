@@ -9,6 +9,7 @@ are used:
 |---|---|---|
 | GLMASR_MAX_BATCH | ``EngineOptions.from_env`` | sequence slots of the engine (default 64 on CUDA, 8 on the CPU) |
 | GLMASR_ENCODER_CHUNK | ``EngineOptions.from_env`` | 30 s windows per encoder call (default 32 on CUDA, 4 on the CPU) |
+| GLMASR_SYNC_EVERY | ``EngineOptions.from_env`` | decode steps between two host read-backs (default 8) |
 | GLMASR_BATCH_INVARIANT | ``EngineOptions.from_env`` | 1: a request's tokens never depend on the requests beside it |
 | GLMASR_AUDIO_THREADS | ``audio.resampler.threads`` | threads that decode and resample long audio (default: the usable CPUs, at most 8) |
 | GLMASR_API_KEY | ``glmasr serve`` | the key it requires when ``--api-key`` is not given |

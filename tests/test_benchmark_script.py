@@ -153,6 +153,8 @@ def test_profile_tree_summary_and_processes(tmp_path):
     assert s["threads"] == {"thread (11): MainThread": 9, "thread (12): reader": 5}
     assert s["self"][0] == ("work (b.py)", 7) and ("recv (c.py)", 5) in s["self"] and ("loop (a.py)", 2) in s["self"]
     assert dict(s["inclusive"])["loop (a.py)"] == 9 and dict(s["inclusive"])["main (a.py)"] == 9
+    assert s["thread_self"] == {"thread (11): MainThread": [("work (b.py)", 7), ("loop (a.py)", 2)],
+                                "thread (12): reader": [("recv (c.py)", 5)]}
     child = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: sum(range(1000))"])
     try:
         time.sleep(0.5)
@@ -168,6 +170,60 @@ def test_profile_tree_summary_and_processes(tmp_path):
     finally:
         child.kill()
         child.wait()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(1)"])
+    try:
+        time.sleep(0.5)
+        busy = pt.profile_tree(sleeper.pid, 1, rate=50, out_dir=tmp_path / "busy")["processes"][0]
+        idle = pt.profile_tree(sleeper.pid, 1, rate=50, out_dir=tmp_path / "idle", idle=True)["processes"][0]
+        assert busy["samples"] < 10, busy  # a sleeping thread is not sampled ...
+        assert idle["samples"] >= 20, idle  # ... unless asked for: then its wait is where the time goes
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_engine_rounds_on_the_cpu(tiny_shipped, tmp_path):
+    """scripts/bench/engine_rounds.py runs end to end on the tiny checkpoint: every turn submitted is answered,
+    with both consumers, and the rounds it reports account for the encoder windows and prompts of the turns."""
+    out = tmp_path / "rounds.json"
+    p = subprocess.run([sys.executable, "-m", "scripts.bench.engine_rounds", "--model", str(tiny_shipped),
+                        "--device", "cpu", "--rate", "8", "--seconds", "3", "--settle", "0.5",
+                        "--consumers", "listener,stream", "--configs", "encoder_chunk=2;encoder_chunk=4,sync_every=16",
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert [(r["options"], r["consumer"]) for r in rows] == [
+        ({"encoder_chunk": 2}, "listener"), ({"encoder_chunk": 2}, "stream"),
+        ({"encoder_chunk": 4, "sync_every": 16}, "listener"), ({"encoder_chunk": 4, "sync_every": 16}, "stream")]
+    for r in rows:
+        assert r["turns"] == 24 and 0 < r["steady_turns"] <= 24
+        t = r["submit_to_transcript_ms"]
+        assert 0 < t["p50"] <= t["p95"] <= t["p99"] <= t["max"]
+        rounds = r["rounds"]
+        assert rounds["steps"] > 0 and rounds["encoder_ms_per_window"] > 0 and rounds["decode_ms_per_step"] > 0
+        assert rounds["decode_steps_per_step"] <= r["options"].get("sync_every", 8)
+    assert "| {'encoder_chunk': 2} | stream |" in p.stdout
+
+
+def test_forced_serve_step_log(tiny_shipped, tmp_path):
+    """GLMASR_BENCH_STEP_LOG: forced_serve's step log of an engine process, one JSON line per engine step, with
+    the requests added before it, the windows it encoded, the prompts it admitted and its decode steps."""
+    code = ("import scripts.bench.forced_serve, glmasr, numpy as np, time\n"
+            "from glmasr.options import DecodeOptions\n"
+            f"asr = glmasr.load({str(tiny_shipped)!r}, device='cpu')\n"
+            "x = (0.1 * np.random.default_rng(0).standard_normal(16000 * 3)).astype('float32')\n"
+            "jobs = [asr.submit(x, DecodeOptions(max_new_tokens=5), sampling_rate=16000) for _ in range(3)]\n"
+            "[j.result() for j in jobs]\n"
+            "time.sleep(1.5)\n")
+    env = dict(os.environ, GLMASR_BENCH_STEP_LOG=str(tmp_path / "steps_"))
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (log,) = tmp_path.glob("steps_*.jsonl")
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sum(r["added"] for r in rows) == 3 and sum(r["windows"] for r in rows) == 3
+    assert sum(r["admitted"] for r in rows) == 3 and sum(r["steps"] for r in rows) >= 4  # 5 tokens: prefill + 4
+    assert all(r["t1"] >= r["t0"] for r in rows)
 
 
 def test_realtime_stage_summary_from_histograms():

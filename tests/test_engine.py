@@ -305,6 +305,12 @@ def test_engine_options_are_checked():
         with pytest.raises(TypeError, match=f"unknown engine option '{removed}'"):
             EngineOptions.from_env({}, **{removed: "x"})
     assert EngineOptions.from_env({"GLMASR_BATCH_INVARIANT": "1"}).batch_invariant is True
+    assert EngineOptions.from_env({"GLMASR_SYNC_EVERY": "16"}).sync_every == 16
+    assert EngineOptions.from_env({"GLMASR_SYNC_EVERY": "16"}, sync_every=4).sync_every == 4
+    with pytest.raises(ValueError, match="GLMASR_SYNC_EVERY must be an integer"):
+        EngineOptions.from_env({"GLMASR_SYNC_EVERY": "many"})
+    with pytest.raises(ValueError, match="sync_every must be a positive integer"):
+        EngineOptions.from_env({"GLMASR_SYNC_EVERY": "0"})
     with pytest.raises(ValueError, match="GLMASR_BATCH_INVARIANT must be 0 or 1"):
         EngineOptions.from_env({"GLMASR_BATCH_INVARIANT": "yes"})
     with pytest.raises(ValueError, match="batch_invariant must be True or False"):

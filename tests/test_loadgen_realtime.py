@@ -59,9 +59,12 @@ class ScriptedServer:
     while a turn is open, and per session never completes the turns numbered in ``never_complete`` and never
     commits those in ``never_commit`` (0 = its first turn)."""
 
-    def __init__(self, delay=0.2, partial_every=None, never_complete=(), never_commit=()):
+    def __init__(self, delay=0.2, partial_every=None, never_complete=(), never_commit=(), hold_updates_s=0.0):
         self.delay, self.partial_every = delay, partial_every
         self.never_complete, self.never_commit = set(never_complete), set(never_commit)
+        self.hold_updates_s = hold_updates_s  # every session.updated waits until this long after the first connection
+        self.first_connection = None
+        self.first_audio: list[float] = []  # per session, when its first append arrived
         self.updates: list[dict] = []
         self.auth: list[str | None] = []
         self.loop = asyncio.new_event_loop()
@@ -86,6 +89,8 @@ class ScriptedServer:
         self.thread.join(10)
 
     async def _session(self, ws):
+        if self.first_connection is None:
+            self.first_connection = time.perf_counter()
         self.auth.append(ws.request.headers.get("Authorization"))
         assert ws.request.path == "/v1/realtime?intent=transcription"
 
@@ -107,8 +112,11 @@ class ScriptedServer:
             ev = json.loads(raw)
             if ev["type"] == "session.update":
                 self.updates.append(ev)
+                await asyncio.sleep(max(0.0, self.first_connection + self.hold_updates_s - time.perf_counter()))
                 await send({"type": "session.updated", "session": ev["session"]})
                 continue
+            if pos == 0:
+                self.first_audio.append(time.perf_counter())
             x = np.frombuffer(base64.b64decode(ev["audio"]), "<i2")
             voiced = np.flatnonzero(x)  # a chunk never holds both a turn's stop and the next onset (long pauses)
             if voiced.size:
@@ -140,10 +148,28 @@ def scripted(request):
     server.stop()
 
 
-def run(server, sessions=3, seconds=3.0, grace=1.0, ramp_s=0.3, **settings):
+def run(server, sessions=3, seconds=3.0, grace=1.0, ramp_s=0.3, procs=1, **settings):
     sp = burst_pass()
     st = RealtimeSettings(**settings)
-    return loadgen.run_realtime(server.url, "sekrit", [sp], sessions, seconds, st, ramp_s=ramp_s, grace=grace)
+    return loadgen.run_realtime(server.url, "sekrit", [sp], sessions, seconds, st, ramp_s=ramp_s, grace=grace,
+                                procs=procs)
+
+
+@pytest.mark.parametrize("scripted", [{"delay": 0.05, "hold_updates_s": 2.5}], indirect=True)
+@pytest.mark.parametrize("procs", [1, 2])
+def test_sessions_start_on_the_ramp_however_slowly_they_connect(scripted, procs):
+    """A server that configures every session only 2.5 s after the first connected (a slow connection storm):
+    the level starts once all are configured, then the sessions' first appends follow the ramp (0.2 s apart),
+    none late; before the start gate they all started at once, as they were configured, and their turns came in
+    bursts. With two client processes the gate spans both (a manager barrier)."""
+    row = run(scripted, sessions=4, seconds=2.0, ramp_s=0.8, procs=procs, chunk_ms=40)
+    assert row["sessions_failed"] == 0 and row["turns"]["lost"] == 0, row
+    starts = sorted(scripted.first_audio)
+    assert len(starts) == 4
+    gaps = np.diff(starts)
+    assert np.all(np.abs(gaps - 0.2) < 0.06), gaps  # the ramp's spacing (a 40 ms chunk of slack), not bunched
+    late = row["session_start_late_ms"]
+    assert late["n"] == 4 and late["max"] < 50, late
 
 
 @pytest.mark.parametrize("scripted", [{"delay": 0.25}], indirect=True)
@@ -167,7 +193,7 @@ def test_latency_and_turns_are_what_the_server_did(scripted):
     assert "interim_results" not in s["audio"]["input"]["transcription"]
     assert row["audio_s"] >= 3 * 3.0
     table = loadgen.realtime_table([row])
-    assert "| 3 | off |" in table
+    assert "| 3 | off |" in table and table.splitlines()[2].count("|") == 11  # ten columns
 
 
 @pytest.mark.parametrize("scripted", [{"delay": 0.05, "partial_every": 0.3}], indirect=True)

@@ -1,6 +1,6 @@
 """The engine's options: one frozen dataclass (its knobs, each validated), ``from_env`` reading the
-``GLMASR_*`` variables of the engine (GLMASR_MAX_BATCH, GLMASR_ENCODER_CHUNK, GLMASR_BATCH_INVARIANT) under explicit
-arguments, and ``resolved`` filling the device's defaults."""
+``GLMASR_*`` variables of the engine (GLMASR_MAX_BATCH, GLMASR_ENCODER_CHUNK, GLMASR_SYNC_EVERY,
+GLMASR_BATCH_INVARIANT) under explicit arguments, and ``resolved`` filling the device's defaults."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ DEFAULT_ENCODER_CHUNK = {"cuda": 32, "cpu": 4}
 DEFAULT_MAX_PREFILL_TOKENS = {"cuda": 65536, "cpu": 8192}
 
 _ENV = {"max_batch": ("GLMASR_MAX_BATCH", int), "encoder_chunk": ("GLMASR_ENCODER_CHUNK", int),
+        "sync_every": ("GLMASR_SYNC_EVERY", int),
         "batch_invariant": ("GLMASR_BATCH_INVARIANT", "flag")}
 
 

@@ -27,8 +27,10 @@ transcription protocol, ``server_vad`` turns), each streaming speech with pauses
 The audio is ``--audio`` files, or English sentences synthesized with espeak-ng with 1.0-1.6 s pauses; each pass of
 it ends with silence and the session loops it. Each session starts in a pause of it drawn at random, at a time drawn
 evenly over ``--ramp`` s (default: the audio's mean time from one turn to the next, so that ends of speech spread
-evenly over time instead of arriving in bursts) and, once ``--seconds`` have been streamed, goes on to the next
-pause, so every turn it streams is whole. The turns a session should get are the server's own turn detector
+evenly over time instead of arriving in bursts) from the level's start, which comes once every session of every
+client process has connected and configured (``StartGate``: else sessions that connect late start together, and
+their turns arrive in bursts; ``session_start_late_ms`` in the row says how far behind its schedule each began)
+and, once ``--seconds`` have been streamed, goes on to the next pause, so every turn it streams is whole. The turns a session should get are the server's own turn detector
 (``glmasr.live.turns``) run offline on the Silero probabilities of the same audio; per N it reports those turns
 against what the server committed, completed and failed (lost = committed but never finished within ``--grace`` s,
 plus expected but never committed), the time from end of speech to ``completed`` (end of speech = the
@@ -434,20 +436,55 @@ class _Turn:
     updates: list = field(default_factory=list)
 
 
+class StartGate:
+    """Holds a level's sessions (those of this process) until every one has connected and configured, or failed
+    to, then gives each the level's start (a ``time.time()``); with ``barrier`` (a ``multiprocessing.Manager``
+    barrier of the client processes) every process's sessions first. A session that connected after its
+    scheduled start would otherwise start streaming at once: when connecting the whole level takes longer than
+    the ramp, the sessions' starts bunch at the end of the connection storm, and so do their ends of speech,
+    turn after turn (the turn period of the audio repeats the bunching)."""
+
+    def __init__(self, sessions: int, barrier=None, timeout: float = 180.0):
+        self.waiting, self.barrier, self.timeout = sessions, barrier, timeout
+        self._go = asyncio.Event()
+        self.start = None
+
+    async def arrive(self, wait: bool = True) -> float | None:
+        """This session is connected (``wait``) or failed (``wait=False``: it counts, and returns at once)."""
+        self.waiting -= 1
+        if self.waiting == 0:
+            if self.barrier is not None:
+                try:
+                    await asyncio.to_thread(self.barrier.wait, self.timeout)
+                except Exception:  # noqa: BLE001 - broken or timed out: another process is stuck; start anyway
+                    pass
+            self.start = time.time() + START_MARGIN_S
+            self._go.set()
+        if not wait:
+            return None
+        await self._go.wait()
+        return self.start
+
+
+START_MARGIN_S = 0.3  # from the gate opening to the level's start: every session is scheduled, none is late
+
+
 async def realtime_session(ws_url: str, api_key: str, sp: SpeechPass, plan: StreamPlan,
-                           settings: RealtimeSettings, start_at: float, grace: float = 30.0) -> dict:
-    """One live session: connect, configure, stream ``plan`` at real-time pace (chunks on an absolute schedule
-    from ``start_at``, a ``time.time()``), then wait (at most ``grace`` s) for every turn to finish. Returns its
-    raw measurements (lists in seconds) and counts; a session that fails to connect or configure is counted and
-    named in ``errors``."""
+                           settings: RealtimeSettings, gate: StartGate, start_offset: float,
+                           grace: float = 30.0) -> dict:
+    """One live session: connect, configure, wait at ``gate`` for the level's start, stream ``plan`` at real-time
+    pace (chunks on an absolute schedule from ``start_offset`` s after it), then wait (at most ``grace`` s) for
+    every turn to finish. Returns its raw measurements (lists in seconds) and counts; a session that fails to
+    connect or configure is counted and named in ``errors``."""
     import base64
 
     import websockets
 
     res = {"latency": [], "first_delta": [], "stop_delay": [], "partial_gaps": [], "boundary_ms": [],
-           "send_lag": [], "expected": len(plan.turns), "committed": 0, "completed": 0, "failed": 0,
-           "unfinished": 0, "missed": 0, "extra": 0, "session_failed": 0, "partial_updates": 0, "errors": [],
-           "audio_s": 0.0}
+           "send_lag": [], "start_late": [], "expected": len(plan.turns), "committed": 0, "completed": 0,
+           "failed": 0, "unfinished": 0, "missed": 0, "extra": 0, "session_failed": 0, "partial_updates": 0,
+           "errors": [], "audio_s": 0.0}
+    arrived = False
     cs = settings.chunk_samples
     n_chunks = -(-plan.total // cs)
     sent_at = np.zeros(n_chunks)
@@ -513,9 +550,12 @@ async def realtime_session(ws_url: str, api_key: str, sp: SpeechPass, plan: Stre
                     raise RuntimeError(f"session.update refused: {ev.get('error')}")
             rx = asyncio.create_task(receive(ws))
             rx.add_done_callback(_receiver_ended(all_done, note_error))
+            arrived = True
+            start_at = await gate.arrive() + start_offset
             delay = start_at - time.time()
             if delay > 0:
                 await asyncio.sleep(delay)
+            res["start_late"].append(max(0.0, time.time() - start_at))
             t0 = time.perf_counter()
             for k in range(n_chunks):
                 due = t0 + k * settings.chunk_ms / 1000
@@ -538,6 +578,9 @@ async def realtime_session(ws_url: str, api_key: str, sp: SpeechPass, plan: Stre
     except Exception as e:  # noqa: BLE001 - counted and named: one session's failure must not end the level
         res["session_failed"] = 1
         note_error(f"{type(e).__name__}: {e}")
+    finally:
+        if not arrived:  # failed before the gate: it must not hold the others
+            await gate.arrive(wait=False)
     stops = [b for _, b in plan.turns]
     for item in committed:
         t = turns[item]
@@ -613,9 +656,10 @@ def session_plans(passes: list[SpeechPass], sessions: int, seconds: float, seed:
     return plans
 
 
-async def _run_sessions(ws_url, api_key, passes, plans, settings, start_at, ramp_s, total, grace):
-    tasks = [realtime_session(ws_url, api_key, passes[j], plan, settings, start_at + ramp_s * i / max(1, total),
-                              grace) for i, (j, plan) in plans]
+async def _run_sessions(ws_url, api_key, passes, plans, settings, barrier, ramp_s, total, grace):
+    gate = StartGate(len(plans), barrier)
+    tasks = [realtime_session(ws_url, api_key, passes[j], plan, settings, gate, ramp_s * i / max(1, total), grace)
+             for i, (j, plan) in plans]
     return await asyncio.gather(*tasks)
 
 
@@ -734,22 +778,23 @@ def run_realtime(url: str, api_key: str, passes: list[SpeechPass], sessions: int
         ramp_s = max(1.0, float(np.mean([sp.seconds / len(sp.cuts) for sp in passes])))
     ws_url = realtime_ws_url(url)
     plans = list(enumerate(session_plans(passes, sessions, seconds, seed)))
-    start_at = time.time() + 0.5 + 0.02 * min(sessions, 200) / max(1, procs)  # time to connect everyone first
     usage = ServerUsage(server_pid).start()
     t0 = time.perf_counter()
     if procs <= 1:
-        results = asyncio.run(_run_sessions(ws_url, api_key, passes, plans, settings, start_at, ramp_s, sessions,
+        results = asyncio.run(_run_sessions(ws_url, api_key, passes, plans, settings, None, ramp_s, sessions,
                                             grace))
     else:
-        shares = [plans[p::procs] for p in range(procs)]
-        with concurrent.futures.ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as ex:
-            futs = [ex.submit(_sessions_process, (ws_url, api_key, passes, share, settings, start_at, ramp_s,
-                                                  sessions, grace)) for share in shares if share]
+        shares = [share for share in (plans[p::procs] for p in range(procs)) if share]
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Manager() as manager, concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as ex:
+            barrier = manager.Barrier(len(shares))  # every process's sessions connected: the level starts
+            futs = [ex.submit(_sessions_process, (ws_url, api_key, passes, share, settings, barrier, ramp_s,
+                                                  sessions, grace)) for share in shares]
             results = [r for f in futs for r in f.result()]
     wall = time.perf_counter() - t0
     server = usage.stop()
     merged = {k: [] for k in ("latency", "first_delta", "stop_delay", "partial_gaps", "boundary_ms", "send_lag",
-                              "errors")}
+                              "start_late", "errors")}
     counts = {k: 0 for k in ("expected", "committed", "completed", "failed", "unfinished", "missed", "extra",
                              "session_failed", "partial_updates")}
     audio_s = 0.0
@@ -772,6 +817,7 @@ def run_realtime(url: str, api_key: str, passes: list[SpeechPass], sessions: int
             "partial_interval_ms": _dist(merged["partial_gaps"]), "partial_updates": counts["partial_updates"],
             "turn_end_vs_offline_ms": _dist(merged["boundary_ms"], to_ms=1.0),
             "client_send_lag_ms": _dist(merged["send_lag"]),
+            "session_start_late_ms": _dist(merged["start_late"]),
             "server": server, "errors": merged["errors"][:10]}
 
 
@@ -785,13 +831,13 @@ def realtime_table(rows: list[dict]) -> str:
 
     head = ("| sessions | partials | turns expected / completed / failed / lost | end of speech -> completed "
             "p50 / p95 / p99 ms | -> first delta p50 / p95 ms | partial interval p50 / p95 ms | server CPU % | "
-            "GPU util % | client lag p99 ms |\n|---|---|---|---|---|---|---|---|---|\n")
+            "GPU util % | client lag p99 ms | session start late max ms |\n|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
         f"| {r['sessions']} | {'on' if r['partials'] else 'off'} | {r['turns']['expected']} / "
         f"{r['turns']['completed']} / {r['turns']['failed']} / {r['turns']['lost']} | "
         f"{d(r, 'end_of_speech_to_completed_ms')} | {d(r, 'end_of_speech_to_first_delta_ms', (50, 95))} | "
         f"{d(r, 'partial_interval_ms', (50, 95))} | {r['server']['cpu_percent']} | {gpu(r)} | "
-        f"{r['client_send_lag_ms']['p99']} |\n" for r in rows)
+        f"{r['client_send_lag_ms']['p99']} | {r.get('session_start_late_ms', {}).get('max')} |\n" for r in rows)
 
 
 def realtime_ok(rows: list[dict]) -> bool:

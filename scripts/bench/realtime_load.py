@@ -44,7 +44,8 @@ def run(folder, device: str = "cuda", sessions=(64, 256, 512), partial_sessions=
         chunk_ms: int = 40, partial_hop_ms: int = 1000, procs: int | None = None, max_batch: int | None = None,
         warmup: str = "full", out_dir: Path | None = None, health_timeout_s: float = 600.0,
         grace: float = 60.0, ramp_s: float | None = None, audio: tuple[str, ...] = (),
-        tokens_per_s: float | None = 3.0, server_flags=(), profile_s: float = 0.0) -> dict:
+        tokens_per_s: float | None = 3.0, server_flags=(), profile_s: float = 0.0,
+        profile_idle: bool = False) -> dict:
     """The section: every level's loadgen row, the table, the server's settings and exit status."""
     from glmasr.server import loadgen
     from scripts.bench.serve_load import start_server, stop_server
@@ -85,7 +86,7 @@ def run(folder, device: str = "cuda", sessions=(64, 256, 512), partial_sessions=
 
                     tag = f"{n}{'_partials' if partials else ''}"
                     timer = threading.Timer(max(5.0, seconds / 3), lambda: profile.update(profile_tree(
-                        proc.pid, profile_s, out_dir=out_dir / f"profile_{tag}")))
+                        proc.pid, profile_s, out_dir=out_dir / f"profile_{tag}", idle=profile_idle)))
                     timer.start()
                 rc = loadgen.main(argv)
                 if timer is not None:
@@ -209,6 +210,8 @@ def main(argv=None) -> int:
                    help="a flag for glmasr serve (repeatable; e.g. --server-flag=--max-batch=128)")
     p.add_argument("--profile-s", type=float, default=0.0,
                    help="py-spy every server process for this many seconds in each level (0: off)")
+    p.add_argument("--profile-idle", action="store_true",
+                   help="the profile samples blocked threads too (where each waits: the GIL, a lock, a sync)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for the logs and rows")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -221,7 +224,8 @@ def main(argv=None) -> int:
     report = run(folder, args.device, _sizes(args.sessions), _sizes(args.partial_sessions), args.seconds,
                  args.chunk_ms, args.partial_hop_ms, args.procs, args.max_batch, args.warmup, Path(args.out),
                  ramp_s=args.ramp, audio=tuple(args.audio), tokens_per_s=args.tokens_per_s or None,
-                 server_flags=tuple(args.server_flag), profile_s=args.profile_s)
+                 server_flags=tuple(args.server_flag), profile_s=args.profile_s,
+                 profile_idle=args.profile_idle)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1
