@@ -232,12 +232,9 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="encoder_chunk=32", help="';'-separated engine options, each 'k=v,k=v'")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    if args.model is None:
-        from glmasr.checkpoint.random_weights import ensure_full_size_checkpoint
+    from glmasr.checkpoint.random_weights import ensure_full_size_checkpoint
 
-        folder = ensure_full_size_checkpoint()
-    else:
-        folder = args.model
+    folder = args.model or ensure_full_size_checkpoint()
     if args.audio:
         from glmasr.audio import load_audio
 

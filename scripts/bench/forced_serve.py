@@ -42,12 +42,30 @@ def _apply_from_env() -> None:
 _STEP_LOG = "GLMASR_BENCH_STEP_LOG"
 
 
+def _write_every_second(rows: list, lock, path: str, name: str) -> None:
+    """A daemon thread that appends ``rows`` (taken under ``lock``) to ``path`` as JSON lines every second."""
+    import json
+    import threading
+    import time
+
+    def writer():
+        while True:
+            time.sleep(1.0)
+            with lock:
+                batch = rows[:]
+                rows.clear()
+            if batch:
+                with open(path, "a") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in batch)
+
+    threading.Thread(target=writer, name=name, daemon=True).start()
+
+
 def _install_step_log(prefix: str) -> None:
     """Every engine step of this process as one JSON line in ``PREFIX<pid>.jsonl`` (written each second): its
     host start and end, the sequences waiting / ready / running at its start, the windows it encoded, the
     prompts it admitted, its decode steps, and the requests added since the previous step (their count): the
     timeline behind the stage means of ``realtime_load``."""
-    import json
     import threading
     import time
 
@@ -91,19 +109,7 @@ def _install_step_log(prefix: str) -> None:
 
     Engine.step, Engine.add_request = logged_step, logged_add
     ModelRunner.encode, ModelRunner.prefill, ModelRunner.decode = logged_encode, logged_prefill, logged_decode
-    path = f"{prefix}{os.getpid()}.jsonl"
-
-    def writer():
-        while True:
-            time.sleep(1.0)
-            with lock:
-                batch = rows[:]
-                rows.clear()
-            if batch:
-                with open(path, "a") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in batch)
-
-    threading.Thread(target=writer, name="step-log", daemon=True).start()
+    _write_every_second(rows, lock, f"{prefix}{os.getpid()}.jsonl", "step-log")
 
 
 _FINALS_LOG = "GLMASR_BENCH_FINALS_LOG"
@@ -114,7 +120,6 @@ def _install_finals_log(prefix: str) -> None:
     was committed (its task entered), when the final before it in its session had ended, when the engine
     client's ``submit`` ran (in the executor), when the engine accepted it and when the session had its last
     delta; all ``time.perf_counter()``, comparable with the engine's step log on one machine."""
-    import json
     import threading
     import time
 
@@ -159,19 +164,7 @@ def _install_finals_log(prefix: str) -> None:
 
     LiveSession._commit, LiveSession._run_final, LiveSession._submit = logged_commit, logged_run_final, logged_submit
     AttachedEngineClient.submit = logged_client_submit
-    path = f"{prefix}{os.getpid()}.jsonl"
-
-    def writer():
-        while True:
-            time.sleep(1.0)
-            with lock:
-                batch = rows[:]
-                rows.clear()
-            if batch:
-                with open(path, "a") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in batch)
-
-    threading.Thread(target=writer, name="finals-log", daemon=True).start()
+    _write_every_second(rows, lock, f"{prefix}{os.getpid()}.jsonl", "finals-log")
 
 
 _apply_from_env()  # in a process the server spawned, before it plans anything

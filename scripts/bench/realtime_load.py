@@ -215,12 +215,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for the logs and rows")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    if args.model is None:
-        from glmasr.checkpoint.random_weights import ensure_full_size_checkpoint
+    from glmasr.checkpoint.random_weights import ensure_full_size_checkpoint
 
-        folder = ensure_full_size_checkpoint()
-    else:
-        folder = args.model
+    folder = args.model or ensure_full_size_checkpoint()
     report = run(folder, args.device, _sizes(args.sessions), _sizes(args.partial_sessions), args.seconds,
                  args.chunk_ms, args.partial_hop_ms, args.procs, args.max_batch, args.warmup, Path(args.out),
                  ramp_s=args.ramp, audio=tuple(args.audio), tokens_per_s=args.tokens_per_s or None,
