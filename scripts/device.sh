@@ -28,6 +28,11 @@
 #                          bench_skinny_gemm --quick --int8 --no-decoder (every GEMV's % of copy peak, bf16 and int8)
 # realtime [ARGS]          bash benchmark.sh --only realtime --no-peers --out OUT/realtime ARGS (~555), the sessions
 #                          streaming .bench_audio/realtime_speech.flac when carried
+# live [ARGS]              live sessions through glmasr serve --frontends 4 (.bench_audio speech when carried):
+#                          realtime_load --sessions 256,512 --partial-sessions 128 --seconds 30 with the server's
+#                          engine step log and front-end finals log (scripts/bench/forced_serve.py; both tarred into
+#                          OUT/live_logs.tgz) (330), then --sessions 512 finals only with GLMASR_SYNC_EVERY=16 (the
+#                          rest); ARGS go to both
 # gemv [ARGS]              tests first when ALL_TESTS_ARGS is set (${ALL_TESTS_S:-200}), then bench_cuda_gemv ARGS
 #                          (default --quick): the CUDA decode GEMVs against the Triton ones, per shape and chained
 # decode [ARGS]            tests first when ALL_TESTS_ARGS is set (${ALL_TESTS_S:-200}), then decode_variants ARGS
@@ -55,7 +60,7 @@ DEADLINE=${DEVICE_DEADLINE_S:-580}
 RESERVE=25      # timeout's kill grace (15 s) + the summary
 MIN_STEP=30     # a step with less time than this is skipped
 DRY=${DEVICE_DRY_RUN:-0}
-MODES="tests bench coldstart kernels logits sweep trace logmel cost int8 realtime gemv decode record all"
+MODES="tests bench coldstart kernels logits sweep trace logmel cost int8 realtime live gemv decode record all"
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 case " $MODES " in
@@ -194,6 +199,18 @@ case $MODE in
         [ -f .bench_audio/realtime_speech.flac ] && rt=(--realtime-audio .bench_audio/realtime_speech.flac)
         FILTER=$BENCH_FILTER step realtime 600 realtime.log bash benchmark.sh --only realtime --no-peers \
             --out "$OUT/realtime" "${rt[@]}" "$@" ;;
+    live)
+        rt=()
+        [ -f .bench_audio/realtime_speech.flac ] && rt=(--audio .bench_audio/realtime_speech.flac)
+        step live 330 live.log env GLMASR_BENCH_STEP_LOG=/tmp/live_steps_ GLMASR_BENCH_FINALS_LOG=/tmp/live_finals_ \
+            python3 -m scripts.bench.realtime_load --sessions 256,512 --partial-sessions 128 --seconds 30 \
+            --server-flag=--frontends=4 --out /tmp/live --json "$OUT/live.json" "${rt[@]}" "$@"
+        if [ "$DRY" != 1 ]; then
+            tar czf "$OUT/live_logs.tgz" /tmp/live_steps_* /tmp/live_finals_* 2>/dev/null || true
+        fi
+        step live_sync16 600 live_sync16.log env GLMASR_SYNC_EVERY=16 python3 -m scripts.bench.realtime_load \
+            --sessions 512 --partial-sessions= --seconds 30 --server-flag=--frontends=4 --out /tmp/live16 \
+            --json "$OUT/live_sync16.json" "${rt[@]}" "$@" ;;
     gemv)
         # shellcheck disable=SC2086 # ALL_TESTS_ARGS: pytest arguments (files, -k), split on spaces
         [ -z "${ALL_TESTS_ARGS:-}" ] || run_tests "${ALL_TESTS_S:-200}" ${ALL_TESTS_ARGS}
