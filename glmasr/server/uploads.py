@@ -29,6 +29,7 @@ from starlette.requests import ClientDisconnect, Request
 from .http import HttpLimits
 from .protocol import MAX_KNOWN_SPEAKERS, MAX_REFERENCE_BYTES, APIError, bad_request
 
+_timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
 MIB = 1024 * 1024
 FORM_OVERHEAD = MIB  # bytes allowed in the body beyond the file: the other fields and the multipart framing
 DRAIN_LIMIT = 64 * MIB  # an oversized body is read (and dropped) up to this much, so the client sees the 413
@@ -52,29 +53,42 @@ def too_large(limit: int) -> APIError:
                     param="file", code="file_too_large", headers={"Connection": "close"})
 
 
-async def _next_message(request: Request, timeout: float, draining: asyncio.Event | None, what: str) -> dict:
-    """The next ASGI message of the request body; ``APIError`` 408 after ``timeout`` s, ``ShuttingDown`` once
-    ``draining`` is set."""
-    receive = asyncio.ensure_future(request.receive())
-    waits = {receive}
-    drain = None
-    if draining is not None:
-        drain = asyncio.ensure_future(draining.wait())
-        waits.add(drain)
+async def _next_message(request: Request, timeout: float, what: str) -> dict:
+    """The next ASGI message of the request body; ``APIError`` 408 after ``timeout`` s. (Draining is watched once
+    per upload, by ``read_form``: a task and a wait per body chunk cost the event loop more than the chunk.)"""
     try:
-        done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in waits:
-            if not t.done():
-                t.cancel()
-    if receive in done:
-        return receive.result()
-    if drain is not None and drain in done:
+        if _timeout is None:  # Python 3.10: wait_for (a task per call)
+            return await asyncio.wait_for(request.receive(), timeout)
+        async with _timeout(timeout):
+            return await request.receive()
+    except asyncio.TimeoutError:  # the builtin TimeoutError from 3.11 on
+        raise APIError(408, what, code="upload_timeout", headers={"Connection": "close"}) from None
+
+
+async def _unless_draining(work, draining: asyncio.Event | None):
+    """``await work``, or ``ShuttingDown`` as soon as ``draining`` is set (the work is cancelled)."""
+    if draining is None:
+        return await work
+    if draining.is_set():
+        work.close()
         raise ShuttingDown()
-    raise APIError(408, what, code="upload_timeout", headers={"Connection": "close"})
+    task = asyncio.ensure_future(work)
+    drain = asyncio.ensure_future(draining.wait())
+    try:
+        await asyncio.wait({task, drain}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        drain.cancel()
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the drain's answer goes out instead
+                pass
+            raise ShuttingDown()
+    return task.result()
 
 
-async def _body_chunks(request: Request, limit: int, limits: HttpLimits, draining: asyncio.Event | None):
+async def _body_chunks(request: Request, limit: int, limits: HttpLimits):
     """The body's chunks as they arrive, under the time and size limits (see the module docstring)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limits.upload_timeout_s
@@ -91,13 +105,13 @@ async def _body_chunks(request: Request, limit: int, limits: HttpLimits, drainin
         else:
             what = (f"the upload stalled: no data for {limits.read_timeout_s:g} s (--read-timeout) after {seen} "
                     "bytes")
-        msg = await _next_message(request, min(left, limits.read_timeout_s), draining, what)
+        msg = await _next_message(request, min(left, limits.read_timeout_s), what)
         if msg["type"] == "http.disconnect":
             raise ClientDisconnect()
         chunk = msg.get("body", b"")
         seen += len(chunk)
         if seen > cap:
-            await _drop_rest(request, seen, cap + DRAIN_LIMIT, limits, draining)
+            await _drop_rest(request, seen, cap + DRAIN_LIMIT, limits)
             raise too_large(limit)
         if chunk:
             yield chunk
@@ -105,13 +119,13 @@ async def _body_chunks(request: Request, limit: int, limits: HttpLimits, drainin
             return
 
 
-async def _drop_rest(request: Request, seen: int, until: int, limits: HttpLimits, draining) -> None:
+async def _drop_rest(request: Request, seen: int, until: int, limits: HttpLimits) -> None:
     """Read and drop what is left of an oversized body (up to ``until`` bytes), so the client, still sending, sees
     the 413 instead of a reset connection; gives up quietly on a stall or a disconnect."""
     more = True
     while more and seen <= until:
         try:
-            msg = await _next_message(request, limits.read_timeout_s, draining, "")
+            msg = await _next_message(request, limits.read_timeout_s, "")
         except APIError:
             return
         if msg["type"] == "http.disconnect":
@@ -185,9 +199,9 @@ async def read_form(request: Request, limit: int, limits: HttpLimits, draining: 
     if length is not None and length.strip().isdigit() and \
             int(length) > limit + FORM_OVERHEAD + MAX_REFERENCES_BYTES + DRAIN_LIMIT:
         raise too_large(limit)  # too large to read and drop: answered at once, the connection closed
-    parser = _FormParser(Headers(raw=request.scope["headers"]), _body_chunks(request, limit, limits, draining),
+    parser = _FormParser(Headers(raw=request.scope["headers"]), _body_chunks(request, limit, limits),
                          max_files=MAX_FILES, max_fields=MAX_FIELDS, max_part_size=MAX_REFERENCE_BYTES)
     try:
-        return await parser.parse()
+        return await _unless_draining(parser.parse(), draining)
     except MultiPartException as e:
         raise bad_request(f"malformed multipart body: {e.message}", None, "invalid_multipart") from None
