@@ -366,3 +366,54 @@ def test_memory_bomb_upload_is_refused_before_decoding(tc):
     assert r.status_code == 400 and time.monotonic() - t0 < 5, r.text
     err = envelope(r.content)
     assert err["param"] == "file" and "384000" in err["message"], err
+
+
+def test_the_drain_watch_cancels_the_upload_and_lets_a_cancellation_through():
+    """``uploads._unless_draining`` (one watch per upload): the work's own result or error comes through as it is;
+    the drain starting mid-upload cancels the work and answers ``ShuttingDown``; a drain already on refuses before
+    any work; and when the request itself is cancelled (its handler), the cancellation goes on, it is not turned
+    into a 503, and the work is cancelled with it."""
+    import asyncio
+
+    from glmasr.server.uploads import ShuttingDown, _unless_draining
+
+    async def scenario():
+        draining = asyncio.Event()
+        assert await _unless_draining(asyncio.sleep(0, "form"), draining) == "form"
+
+        async def fails():
+            raise ValueError("bad body")
+
+        with pytest.raises(ValueError, match="bad body"):
+            await _unless_draining(fails(), draining)
+        started, cancelled = asyncio.Event(), []
+
+        async def slow():
+            started.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+
+        async def drain_soon():
+            await started.wait()
+            draining.set()
+
+        asyncio.ensure_future(drain_soon())
+        with pytest.raises(ShuttingDown):
+            await _unless_draining(slow(), draining)
+        assert cancelled == [True]
+        with pytest.raises(ShuttingDown):
+            await _unless_draining(slow(), draining)  # drain already on: refused at once
+        assert cancelled == [True]
+        started.clear()
+        outer = asyncio.ensure_future(_unless_draining(slow(), asyncio.Event()))
+        await started.wait()
+        outer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await outer
+        await asyncio.sleep(0)
+        assert cancelled == [True, True]
+
+    asyncio.run(scenario())

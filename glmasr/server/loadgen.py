@@ -29,17 +29,17 @@ it ends with silence and the session loops it. Each session starts in a pause of
 evenly over ``--ramp`` s (default: the audio's mean time from one turn to the next, so that ends of speech spread
 evenly over time instead of arriving in bursts) from the level's start, which comes once every session of every
 client process has connected and configured (``StartGate``: else sessions that connect late start together, and
-their turns arrive in bursts; ``session_start_late_ms`` in the row says how far behind its schedule each began)
-and, once ``--seconds`` have been streamed, goes on to the next pause, so every turn it streams is whole. The turns a session should get are the server's own turn detector
-(``glmasr.live.turns``) run offline on the Silero probabilities of the same audio; per N it reports those turns
-against what the server committed, completed and failed (lost = committed but never finished within ``--grace`` s,
-plus expected but never committed), the time from end of speech to ``completed`` (end of speech = the
-``speech_stopped`` event's ``audio_end_ms``, which includes ``silence_duration_ms``, mapped to the wall time at
-which the chunk holding that audio was sent) and to the turn's first delta after it, the partial update interval
-(``--partials``: the gaps between what a person sees change while they speak: from the turn's onset through its
-deltas to its end of speech), how far the client fell behind its real-time schedule, and the server's CPU use (the
-process ``--server-pid`` and its children, from /proc; ``--serve``: this process) and GPU use (``nvidia-smi``, when
-it exists), sampled every second.
+their turns arrive in bursts; ``session_start_late_ms`` in the row says how far behind its schedule each began) and,
+once ``--seconds`` have been streamed, goes on to the next pause, so every turn it streams is whole. The turns a
+session should get are the server's own turn detector (``glmasr.live.turns``) run offline on the Silero
+probabilities of the same audio; per N it reports those turns against what the server committed, completed and
+failed (lost = committed but never finished within ``--grace`` s, plus expected but never committed), the time from
+end of speech to ``completed`` (end of speech = the ``speech_stopped`` event's ``audio_end_ms``, which includes
+``silence_duration_ms``, mapped to the wall time at which the chunk holding that audio was sent) and to the turn's
+first delta after it, the partial update interval (``--partials``: the gaps between what a person sees change while
+they speak: from the turn's onset through its deltas to its end of speech), how far the client fell behind its
+real-time schedule, and the server's CPU use (the process ``--server-pid`` and its children, from /proc;
+``--serve``: this process) and GPU use (``nvidia-smi``, when it exists), sampled every second.
 """
 
 from __future__ import annotations
@@ -436,6 +436,9 @@ class _Turn:
     updates: list = field(default_factory=list)
 
 
+START_MARGIN_S = 0.3  # from the gate opening to the level's start: every session is scheduled, none is late
+
+
 class StartGate:
     """Holds a level's sessions (those of this process) until every one has connected and configured, or failed
     to, then gives each the level's start (a ``time.time()``); with ``barrier`` (a ``multiprocessing.Manager``
@@ -464,9 +467,6 @@ class StartGate:
             return None
         await self._go.wait()
         return self.start
-
-
-START_MARGIN_S = 0.3  # from the gate opening to the level's start: every session is scheduled, none is late
 
 
 async def realtime_session(ws_url: str, api_key: str, sp: SpeechPass, plan: StreamPlan,

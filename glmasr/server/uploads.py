@@ -76,16 +76,19 @@ async def _unless_draining(work, draining: asyncio.Event | None):
     drain = asyncio.ensure_future(draining.wait())
     try:
         await asyncio.wait({task, drain}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this request was cancelled: so is its work, and the cancellation goes on
+        task.cancel()
+        raise
     finally:
         drain.cancel()
-        if not task.done():
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the drain's answer goes out instead
-                pass
-            raise ShuttingDown()
-    return task.result()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the drain's answer goes out instead
+        pass
+    raise ShuttingDown()
 
 
 async def _body_chunks(request: Request, limit: int, limits: HttpLimits):

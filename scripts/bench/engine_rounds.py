@@ -10,8 +10,9 @@ this takes all of that away: one process, ``glmasr.load`` with each config's eng
 is a slice of 3-6 s of ``--audio`` (default: noise; the encoder always runs the padded 30 s window, so only the
 length matters) with ``ceil(3 x seconds)`` tokens forced (``ignore_eos``), as the realtime benchmark forces them.
 
-Per config: each turn's time from submission to the engine's last output for it (p50 / p95 / p99) and its engine stages from
-``timings_ms`` (queue: added -> first encoder work; encode: -> prefill launched; decode: -> end read back); per
+Per config: each turn's time from submission to the engine's last output for it (p50 / p95 / p99) and its
+engine stages from ``timings_ms`` (queue: added -> first encoder work; encode: -> prefill launched; decode: -> end
+read back); per
 engine step (``Engine.step``, wrapped here): its host wall time, the windows it encoded, the prompts it admitted,
 its decode steps, and the GPU time of its encoder, prefill and decode work (CUDA events around each, read after
 the run), so the GPU's busy share and what a round is made of are measured rather than inferred from
@@ -35,12 +36,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from glmasr.server.loadgen import percentile
+
 
 def _pct(xs, q):
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q / 100 * len(xs)))], 1)
+    v = percentile(xs, q)
+    return None if v is None else round(v, 1)
 
 
 def _parse_configs(text: str) -> list[dict]:
@@ -59,7 +60,7 @@ class StepRecorder:
     counts, and CUDA event pairs around each GPU phase (resolved in ``summary``, after a sync)."""
 
     def __init__(self, engine):
-        self.engine, self.steps, self._cur = engine, [], None
+        self.steps, self._cur = [], None
         runner = engine.runner
         self.cuda = runner.device.type == "cuda"  # elsewhere: host wall times of the phases
         self._wrap(runner, "encode", "encode", lambda a, k: sum(p.num_windows for p in a[0]))
@@ -108,14 +109,9 @@ class StepRecorder:
         if not steps:
             return {}
         gpu = {"encode": 0.0, "prefill": 0.0, "decode": 0.0}
-        per_step = []
         for s in steps:
-            ms = {"encode": 0.0, "prefill": 0.0, "decode": 0.0}
             for key, e0, e1 in s["events"]:
-                ms[key] += e0.elapsed_time(e1) if self.cuda else 1e3 * (e1 - e0)
-            for k in gpu:
-                gpu[k] += ms[k]
-            per_step.append(ms)
+                gpu[key] += e0.elapsed_time(e1) if self.cuda else 1e3 * (e1 - e0)
         span_ms = 1e3 * (steps[-1]["t1"] - steps[0]["t0"])
         walls = [1e3 * (s["t1"] - s["t0"]) for s in steps]
         enc_steps = [s for s in steps if s["encode"]]
@@ -123,7 +119,8 @@ class StepRecorder:
             "steps": len(steps),
             "span_ms": round(span_ms, 1),
             "step_wall_ms": {"mean": round(statistics.mean(walls), 2), "p50": _pct(walls, 50), "p95": _pct(walls, 95)},
-            "windows_per_encoding_step": round(statistics.mean([s["encode"] for s in enc_steps]), 2) if enc_steps else 0,
+            "windows_per_encoding_step":
+                round(statistics.mean([s["encode"] for s in enc_steps]), 2) if enc_steps else 0,
             "encoding_steps": len(enc_steps),
             "admitted_per_step": round(statistics.mean([s["prefill"] for s in steps]), 2),
             "decode_steps_per_step": round(statistics.mean([s["decode"] for s in steps]), 2),
@@ -167,7 +164,8 @@ def run_config(folder, device: str, opts: dict, rate: float, seconds: float, set
                 jobs.append((t_submit, job))
                 if aloop is None:
                     # the engine's thread calls this at each output; its last one ends the stream
-                    job.stream.set_listener(lambda i=i, s=job.stream: s.finished and done.setdefault(i, time.perf_counter()))
+                    job.stream.set_listener(
+                        lambda i=i, s=job.stream: s.finished and done.setdefault(i, time.perf_counter()))
                 else:
                     asyncio.run_coroutine_threadsafe(consume(i, job), aloop)
 
@@ -251,9 +249,9 @@ def main(argv=None) -> int:
             print(json.dumps(row), flush=True)
     print(f"\nengine alone, {args.rate:g} turns/s of 3-6 s for {args.seconds:g} s (steady state: "
           f"{args.settle:g} s cut at each end)")
-    print("| options | consumer | p50 / p95 / p99 ms | queue / encode / decode mean ms | step ms | windows / encoding step | "
-          "admitted / step | decode steps / step | GPU ms per step enc / pre / dec | GPU busy | enc ms/window | "
-          "prefill ms/prompt | decode ms/step |")
+    print("| options | consumer | p50 / p95 / p99 ms | queue / encode / decode mean ms | step ms | "
+          "windows / encoding step | admitted / step | decode steps / step | GPU ms per step enc / pre / dec | "
+          "GPU busy | enc ms/window | prefill ms/prompt | decode ms/step |")
     print("|" + "---|" * 13)
     for r in rows:
         t, s, rd = r["submit_to_transcript_ms"], r["stages_ms"], r["rounds"]

@@ -10,8 +10,9 @@ writes ~3 tokens per second of English speech). The offline benchmarks force ~3 
 that a load test on random weights decodes what real speech would; ``--tokens N`` forces exactly N per prompt
 (issue 13's mixed workload: 40). ``GLMASR_BENCH_STEP_LOG=PREFIX`` also logs every engine step of the engine
 process(es) to ``PREFIX<pid>.jsonl`` (``_install_step_log``), ``GLMASR_BENCH_FINALS_LOG=PREFIX`` the path of every
-live final through the front-ends (``_install_finals_log``). Nothing of the product changes: the budget function of ``glmasr.pipeline`` is
-replaced in this process before ``glmasr.cli.serve.main`` runs, and in the processes the server spawns
+live final through the front-ends (``_install_finals_log``). Nothing of the product changes: the budget function
+of ``glmasr.pipeline`` is replaced in this process before ``glmasr.cli.serve.main`` runs, and in the processes the
+server spawns
 (``--frontends``, ``--data-parallel``: spawn re-imports this module as their ``__main__``, and the setting
 travels in the environment).
 """
@@ -120,6 +121,7 @@ def _install_finals_log(prefix: str) -> None:
     was committed (its task entered), when the final before it in its session had ended, when the engine
     client's ``submit`` ran (in the executor), when the engine accepted it and when the session had its last
     delta; all ``time.perf_counter()``, comparable with the engine's step log on one machine."""
+    import asyncio
     import threading
     import time
 
@@ -139,8 +141,6 @@ def _install_finals_log(prefix: str) -> None:
         m = marks.setdefault(item.item_id, {})
         m["task_start"] = time.perf_counter()
         if before is not None:
-            import asyncio
-
             await asyncio.wait([before])
         m["previous_done"] = time.perf_counter()
         try:

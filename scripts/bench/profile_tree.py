@@ -7,9 +7,9 @@
 its raw stacks kept under ``--out`` as ``pyspy_<pid>.txt``. The summary per process: its command line, the samples
 per thread (a thread busy the whole time has ``seconds x rate``), the functions most often on top of the stack
 (self time; also per thread for its three busiest threads) and the ones most often anywhere on it (inclusive).
-``--idle``: blocked threads are sampled too, so the self time shows where each waits. Used by ``realtime_load --profile-s``; needs py-spy
-(``pip install py-spy``; on the device it travels in ``.whl/``) and the right to trace the processes (same user,
-ptrace allowed).
+``--idle``: blocked threads are sampled too, so the self time shows where each waits. Used by ``realtime_load
+--profile-s``; needs py-spy (``pip install py-spy``; on the device it travels in ``.whl/``) and the right to trace
+the processes (same user, ptrace allowed).
 """
 
 from __future__ import annotations
