@@ -28,11 +28,11 @@
 #                          bench_skinny_gemm --quick --int8 --no-decoder (every GEMV's % of copy peak, bf16 and int8)
 # realtime [ARGS]          bash benchmark.sh --only realtime --no-peers --out OUT/realtime ARGS (~555), the sessions
 #                          streaming .bench_audio/realtime_speech.flac when carried
-# live [ARGS]              live sessions through glmasr serve --frontends 4 (.bench_audio speech when carried):
-#                          realtime_load --sessions 256,512 --partial-sessions 128 --seconds 30 with the server's
-#                          engine step log and front-end finals log (scripts/bench/forced_serve.py; both tarred into
-#                          OUT/live_logs.tgz) (330), then --sessions 512 finals only with GLMASR_SYNC_EVERY=16 (the
-#                          rest); ARGS go to both
+# live [ARGS]              live sessions through glmasr serve --frontends 4 (.bench_audio speech when carried) on
+#                          the steady checkpoint (drafts agree: scripts/bench/steady_checkpoint.py): realtime_load
+#                          --sessions 512,640,768 --partial-sessions 128,256 --seconds 30 with the server's engine
+#                          step log and front-end finals log (scripts/bench/forced_serve.py; both tarred into
+#                          OUT/live_logs.tgz) (the rest); ARGS go to realtime_load (later flags win)
 # gemv [ARGS]              tests first when ALL_TESTS_ARGS is set (${ALL_TESTS_S:-200}), then bench_cuda_gemv ARGS
 #                          (default --quick): the CUDA decode GEMVs against the Triton ones, per shape and chained
 # decode [ARGS]            tests first when ALL_TESTS_ARGS is set (${ALL_TESTS_S:-200}), then decode_variants ARGS
@@ -202,15 +202,12 @@ case $MODE in
     live)
         rt=()
         [ -f .bench_audio/realtime_speech.flac ] && rt=(--audio .bench_audio/realtime_speech.flac)
-        step live 330 live.log env GLMASR_BENCH_STEP_LOG=/tmp/live_steps_ GLMASR_BENCH_FINALS_LOG=/tmp/live_finals_ \
-            python3 -m scripts.bench.realtime_load --sessions 256,512 --partial-sessions 128 --seconds 30 \
+        step live 600 live.log env GLMASR_BENCH_STEP_LOG=/tmp/live_steps_ GLMASR_BENCH_FINALS_LOG=/tmp/live_finals_ \
+            python3 -m scripts.bench.realtime_load --sessions 512,640,768 --partial-sessions 128,256 --seconds 30 \
             --server-flag=--frontends=4 --out /tmp/live --json "$OUT/live.json" "${rt[@]}" "$@"
         if [ "$DRY" != 1 ]; then
             tar czf "$OUT/live_logs.tgz" /tmp/live_steps_* /tmp/live_finals_* 2>/dev/null || true
-        fi
-        step live_sync16 600 live_sync16.log env GLMASR_SYNC_EVERY=16 python3 -m scripts.bench.realtime_load \
-            --sessions 512 --partial-sessions= --seconds 30 --server-flag=--frontends=4 --out /tmp/live16 \
-            --json "$OUT/live_sync16.json" "${rt[@]}" "$@" ;;
+        fi ;;
     gemv)
         # shellcheck disable=SC2086 # ALL_TESTS_ARGS: pytest arguments (files, -k), split on spaces
         [ -z "${ALL_TESTS_ARGS:-}" ] || run_tests "${ALL_TESTS_S:-200}" ${ALL_TESTS_ARGS}

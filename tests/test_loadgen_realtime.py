@@ -281,5 +281,7 @@ def test_realtime_benchmark_section_against_glmasr_serve(tiny_shipped, tmp_path)
     # partials on: every turn has at least one interval (onset to end of speech when nothing agreed early)
     partial = report["levels"][1]
     assert partial["partial_interval_ms"]["n"] >= partial["turns"]["completed"]
+    # the steady checkpoint (the default --decoder-text): drafts agree, so partial text reaches the clients
+    assert report["decoder_text"] == "steady" and partial["partial_updates"] > 0, partial
     assert report["levels"][0]["partial_interval_ms"]["n"] == 0
     assert "| 4 | off |" in report["table"] and "| 2 | on |" in report["table"]

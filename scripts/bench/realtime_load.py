@@ -6,23 +6,25 @@
         [--partial-sessions 32,128] [--seconds 60] [--chunk-ms 40] [--procs P] [--audio FILE...] [--profile-s S]
         [--json FILE]
 
-Starts ``glmasr serve`` in its own process on a free 127.0.0.1 port (``--max-realtime-sessions`` above the largest
-N), then for each N in ``--sessions`` runs the load generator's realtime mode (``python -m glmasr.server.loadgen
+Starts ``glmasr serve`` in its own process on a free 127.0.0.1 port (``--max-realtime-sessions`` above the largest N),
+then for each N in ``--sessions`` runs the load generator's realtime mode (``python -m glmasr.server.loadgen
 --realtime``: N sessions streaming espeak-ng speech with pauses at real-time pace, server_vad turns, finals only),
-then each N in ``--partial-sessions`` with partials on (``interim_results``, a draft every ``--partial-hop-ms``),
-and stops the server (SIGTERM: it drains). The server decodes ``--tokens-per-s`` (default 3) tokens per second
-of each prompt's audio (``scripts.bench.forced_serve``): random weights never stop on their own, and the default
-budget (32 + 6 per second) is several times what speech gives. Per N: p50/p95/p99 from end of speech to
+then each N in ``--partial-sessions`` with partials on (``interim_results``, a draft every ``--partial-hop-ms``), and
+stops the server (SIGTERM: it drains). The server decodes ``--tokens-per-s`` (default 3) tokens per second of each
+prompt's audio (``scripts.bench.forced_serve``): random weights never stop on their own, and the default budget (32 +
+6 per second) is several times what speech gives. By default the server loads the steady copy of the checkpoint
+(``--decoder-text steady``, ``scripts/bench/steady_checkpoint.py``: the same tensors and work, but it writes `` a a a
+...`` whatever the audio), so that consecutive drafts agree as they mostly do on speech and partials go out; on random
+text no draft ever agrees and the partial interval is just the turn's length. Per N: p50/p95/p99 from end of speech to
 ``completed``, the partial update interval, the drafts the server sent, skipped and aborted (from its /metrics),
-lost/failed turns (must be 0), the server's CPU (its process tree) and GPU use (nvidia-smi), where the finals'
-time went on the server (``server_stages_ms``: the mean and approximate p50 / p95 of each stage of
+lost/failed turns (must be 0), the server's CPU (its process tree) and GPU use (nvidia-smi), where the finals' time
+went on the server (``server_stages_ms``: the mean and approximate p50 / p95 of each stage of
 ``glmasr_request_stage_seconds{kind="realtime"}`` in the level: queue, encode, decode, transit; from /metrics'
-histogram buckets, interpolated) and, with ``--profile-s S``, a py-spy summary of every server process sampled for
-S seconds from a third of the way into the level (``scripts/bench/profile_tree.py``; raw stacks under
-``--out``/profile_N); the
-issue's targets on the H200: >= 500 sessions, finals only, p95 <= 300 ms; >= 128 sessions with partials at a 1 s
-hop, p95 interval <= 1.5 s; 0 lost turns. The clients run in ``--procs`` processes (default: one per 128
-sessions, at most 8), so that the client's own interpreter does not become the bottleneck; each row's
+histogram buckets, interpolated) and, with ``--profile-s S``, a py-spy summary of every server process sampled for S
+seconds from a third of the way into the level (``scripts/bench/profile_tree.py``; raw stacks under
+``--out``/profile_N); the issue's targets on the H200: >= 500 sessions, finals only, p95 <= 300 ms; >= 128 sessions
+with partials at a 1 s hop, p95 interval <= 1.5 s; 0 lost turns. The clients run in ``--procs`` processes (default:
+one per 128 sessions, at most 8), so that the client's own interpreter does not become the bottleneck; each row's
 ``client_send_lag_ms`` says whether it kept real-time pace.
 """
 
@@ -40,16 +42,25 @@ def client_procs(sessions: int) -> int:
     return max(1, min(8, -(-sessions // 128)))
 
 
+DECODER_TEXTS = ("steady", "random")
+
+
 def run(folder, device: str = "cuda", sessions=(64, 256, 512), partial_sessions=(32, 128), seconds: float = 60.0,
         chunk_ms: int = 40, partial_hop_ms: int = 1000, procs: int | None = None, max_batch: int | None = None,
         warmup: str = "full", out_dir: Path | None = None, health_timeout_s: float = 600.0,
         grace: float = 60.0, ramp_s: float | None = None, audio: tuple[str, ...] = (),
         tokens_per_s: float | None = 3.0, server_flags=(), profile_s: float = 0.0,
-        profile_idle: bool = False) -> dict:
+        profile_idle: bool = False, decoder_text: str = "steady") -> dict:
     """The section: every level's loadgen row, the table, the server's settings and exit status."""
     from glmasr.server import loadgen
     from scripts.bench.serve_load import start_server, stop_server
 
+    if decoder_text not in DECODER_TEXTS:
+        raise ValueError(f"decoder_text must be one of {DECODER_TEXTS}, got {decoder_text!r}")
+    if decoder_text == "steady":
+        from scripts.bench.steady_checkpoint import steady_copy
+
+        folder = steady_copy(folder)
     out_dir = Path(out_dir or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
     top = max([*sessions, *partial_sessions, 1])
@@ -61,7 +72,7 @@ def run(folder, device: str = "cuda", sessions=(64, 256, 512), partial_sessions=
                                    tokens_per_s=tokens_per_s)
     report = {"seconds_per_level": seconds, "chunk_ms": chunk_ms, "partial_hop_ms": partial_hop_ms,
               "audio_files": [str(a) for a in audio], "tokens_per_s": tokens_per_s,
-              "server_flags": list(server_flags),
+              "server_flags": list(server_flags), "decoder_text": decoder_text,
               "max_batch": max_batch, "levels": []}
     try:
         report["server_ready_s"] = round(loadgen.wait_healthy(port, health_timeout_s, lambda: proc.poll() is None), 1)
@@ -206,6 +217,10 @@ def main(argv=None) -> int:
     p.add_argument("--tokens-per-s", type=float, default=3.0,
                    help="every prompt decodes this many tokens per second of audio (random weights never stop on "
                         "their own; default 3, about what speech gives; 0 = the server's own budgets)")
+    p.add_argument("--decoder-text", default="steady", choices=DECODER_TEXTS,
+                   help="steady: the checkpoint's copy that writes ' a a a' whatever the audio, so that drafts "
+                        "agree and partials go out (scripts/bench/steady_checkpoint.py; same work per token); "
+                        "random: the checkpoint as it is (drafts never agree)")
     p.add_argument("--server-flag", action="append", default=[], metavar="FLAG",
                    help="a flag for glmasr serve (repeatable; e.g. --server-flag=--max-batch=128)")
     p.add_argument("--profile-s", type=float, default=0.0,
@@ -222,7 +237,7 @@ def main(argv=None) -> int:
                  args.chunk_ms, args.partial_hop_ms, args.procs, args.max_batch, args.warmup, Path(args.out),
                  ramp_s=args.ramp, audio=tuple(args.audio), tokens_per_s=args.tokens_per_s or None,
                  server_flags=tuple(args.server_flag), profile_s=args.profile_s,
-                 profile_idle=args.profile_idle)
+                 profile_idle=args.profile_idle, decoder_text=args.decoder_text)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1
