@@ -24,16 +24,16 @@ deltas arrive, trailing whitespace held back, so the deltas concatenate to the `
 exactly; with partials off, that transcript is what ``transcribe()`` gives for the same samples and prompt (same
 engine). An engine error gives ``TranscriptFailed`` and the session goes on.
 
-Partials (``settings.partials``). At half a ``partial_hop_s`` of an open turn's audio and then every ``partial_hop_s``
-(of a turn of at most 30 s: one prompt group), one ``Priority.DRAFT`` request (not streamed) on the turn so far,
-forced to start with the ids agreed so far; at most one in flight per session: a newer hop aborts a stale draft, and a
-hop is skipped while the engine is full (``client.num_pending >= client.slots``). ``agreement.agree``
-(LocalAgreement-2) over the last two drafts' token ids extends the agreed prefix; its new text goes out at once as a
-``TranscriptDelta``. The final is submitted with ``forced_prefix_ids`` = the agreed ids, so what was sent is never
-retracted. (A manual turn longer than 30 s with agreed text is finalized as two requests, the first 30 s forced and
-the rest, joined with a space like the groups of one request.) Forcing audit: after a forced final, when a metrics
-hook wants it (``on_forcing``) and the engine has room, an unforced decode of the same samples at ``Priority.DRAFT``
-tells whether forcing changed the text.
+Partials (``settings.partials``). Every ``partial_hop_s`` of new audio in an open turn (of at most 30 s: one
+prompt group), one ``Priority.DRAFT`` request (not streamed) on the turn so far, forced to start with the ids
+agreed so far; at most one in flight per session: a newer hop aborts a stale draft, and a hop is skipped while
+the engine is full (``client.num_pending >= client.slots``). ``agreement.agree`` (LocalAgreement-2) over the
+last two drafts' token ids extends the agreed prefix; its new text goes out at once as a ``TranscriptDelta``. The
+final is submitted with ``forced_prefix_ids`` = the agreed ids, so what was sent is never retracted. (A manual
+turn longer than 30 s with agreed text is finalized as two requests, the first 30 s forced and the rest, joined
+with a space like the groups of one request.) Forcing audit: after a forced final, when a metrics hook wants it
+(``on_forcing``) and the engine has room, an unforced decode of the same samples at ``Priority.DRAFT`` tells
+whether forcing changed the text.
 
 Context (``settings.context``): the previous turn's transcript (its last ``CONTEXT_CHARS`` characters) goes into
 the instruction, after the prompt and before the hotwords: ``{prompt}\\nContext: {text}\\nHotwords: a, b``
@@ -743,9 +743,7 @@ class LiveSession:
             return
         n = self._buf.end - item.start
         hop = round(self.settings.partial_hop_s * SAMPLE_RATE)
-        # the first draft at half a hop: agreement needs two drafts, so the first partial comes one hop into
-        # the turn instead of two
-        if n < max(item.next_hop, hop // 2):
+        if n < max(item.next_hop, hop):
             return
         item.next_hop = (n // hop + 1) * hop
         if n > MAX_DRAFT_S * SAMPLE_RATE:
