@@ -8,6 +8,9 @@ their prefix as LocalAgreement needs, and every tensor keeps its shape and dtype
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -60,8 +63,8 @@ def test_the_model_writes_a_a_a_and_drafts_agree(steady):
 
 
 def test_the_chain_check_refuses_a_broken_head(tiny_shipped):
-    state = sc.make_steady(load_file(str(tiny_shipped / "model.safetensors")), *sc.token_ids(tiny_shipped))
     space, letter = sc.token_ids(tiny_shipped)
+    state = sc.make_steady(load_file(str(tiny_shipped / "model.safetensors")), space, letter)
     sc.check_chain(state, space, letter)
     broken = dict(state)
     head = state[sc.LM_HEAD].clone()
@@ -71,9 +74,19 @@ def test_the_chain_check_refuses_a_broken_head(tiny_shipped):
         sc.check_chain(broken, space, letter)
 
 
-def test_the_copy_is_reused_until_the_source_changes(tiny_shipped, steady, tmp_path):
-    mtime = (steady / "model.safetensors").stat().st_mtime_ns
-    assert sc.build(tiny_shipped, steady) == steady
-    assert (steady / "model.safetensors").stat().st_mtime_ns == mtime
+def test_the_copy_is_reused_until_the_source_changes(tiny_shipped, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_shipped, src)
+    dst = sc.steady_copy(src)
+    assert dst == tmp_path / "src-steady"
+    stamp = (dst / sc._STAMP).read_text()
+    mtime = (dst / "model.safetensors").stat().st_mtime_ns
+    assert sc.build(src, dst) == dst
+    assert (dst / "model.safetensors").stat().st_mtime_ns == mtime  # reused, not rewritten
+    weights = src / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the source changed
+    assert sc.steady_copy(src) == dst
+    assert (dst / sc._STAMP).read_text() != stamp  # rebuilt for the new source
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         sc.build(tmp_path / "nothing", tmp_path / "out")

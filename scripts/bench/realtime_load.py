@@ -219,7 +219,8 @@ def main(argv=None) -> int:
                         "their own; default 3, about what speech gives; 0 = the server's own budgets)")
     p.add_argument("--decoder-text", default="steady", choices=DECODER_TEXTS,
                    help="steady: the checkpoint's copy that writes ' a a a' whatever the audio, so that drafts "
-                        "agree and partials go out (scripts/bench/steady_checkpoint.py; same work per token); "
+                        "agree and partials go out (scripts/bench/steady_checkpoint.py; same work per token; "
+                        "written once next to the checkpoint as FOLDER-steady); "
                         "random: the checkpoint as it is (drafts never agree)")
     p.add_argument("--server-flag", action="append", default=[], metavar="FLAG",
                    help="a flag for glmasr serve (repeatable; e.g. --server-flag=--max-batch=128)")
