@@ -30,8 +30,8 @@
 #                          streaming .bench_audio/realtime_speech.flac when carried
 # live [ARGS]              live sessions through glmasr serve --frontends 4 (.bench_audio speech when carried) on
 #                          the steady checkpoint (drafts agree: scripts/bench/steady_checkpoint.py): realtime_load
-#                          --sessions 512,640,768 --partial-sessions 128,256 --seconds 30 with the server's engine
-#                          step log and front-end finals log (scripts/bench/forced_serve.py; both tarred into
+#                          --sessions 256,512,640,768 --partial-sessions 128,192,256 --seconds 30 with the server's
+#                          engine step log and front-end finals log (scripts/bench/forced_serve.py; both tarred into
 #                          OUT/live_logs.tgz) (the rest); ARGS go to realtime_load (later flags win)
 # gemv [ARGS]              tests first when ALL_TESTS_ARGS is set (${ALL_TESTS_S:-200}), then bench_cuda_gemv ARGS
 #                          (default --quick): the CUDA decode GEMVs against the Triton ones, per shape and chained
@@ -203,8 +203,8 @@ case $MODE in
         rt=()
         [ -f .bench_audio/realtime_speech.flac ] && rt=(--audio .bench_audio/realtime_speech.flac)
         step live 600 live.log env GLMASR_BENCH_STEP_LOG=/tmp/live_steps_ GLMASR_BENCH_FINALS_LOG=/tmp/live_finals_ \
-            python3 -m scripts.bench.realtime_load --sessions 512,640,768 --partial-sessions 128,256 --seconds 30 \
-            --server-flag=--frontends=4 --out /tmp/live --json "$OUT/live.json" "${rt[@]}" "$@"
+            python3 -m scripts.bench.realtime_load --sessions 256,512,640,768 --partial-sessions 128,192,256 \
+            --seconds 30 --server-flag=--frontends=4 --out /tmp/live --json "$OUT/live.json" "${rt[@]}" "$@"
         if [ "$DRY" != 1 ]; then
             tar czf "$OUT/live_logs.tgz" /tmp/live_steps_* /tmp/live_finals_* 2>/dev/null || true
         fi ;;

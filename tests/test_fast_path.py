@@ -210,13 +210,29 @@ def test_cuda_engine_uses_fused_frontend_and_agrees(tiny_shipped):
     assert ta == tb
 
 
+def test_encoder_pieces_make_the_count_from_graph_buckets():
+    """A window count up to the largest bucket is a sum of buckets, largest first (each a graph replay); above
+    it, or with no buckets (graphs off), the eager pass runs ([])."""
+    from glmasr.engine.model_runner import encoder_pieces
+
+    buckets = (1, 2, 4, 8)
+    for w in range(1, 9):
+        p = encoder_pieces(w, buckets)
+        assert sum(p) == w and p == sorted(p, reverse=True) and set(p) <= set(buckets), (w, p)
+        assert len(p) == bin(w).count("1")  # the fewest replays
+    assert encoder_pieces(7, buckets) == [4, 2, 1] and encoder_pieces(8, buckets) == [8]
+    assert encoder_pieces(9, buckets) == [] and encoder_pieces(32, buckets) == []
+    assert encoder_pieces(3, ()) == [] and encoder_pieces(0, buckets) == []
+    assert encoder_pieces(3, (2,)) == []  # no way to make it: eager
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device)")
 def test_encoder_graphs_equal_eager(tiny_shipped):
-    """The runner's encoder replayed from CUDA graphs (1 and 2 windows; 5 windows run eagerly, no graph) equals
-    the model's eager encoder. fp32 with cuDNN's TF32 convolutions off; a bucket of another size may make cuBLAS
-    pick other kernels (another summation order), so the bound is fp32 rounding through the stack: 1e-5 of the
-    output's largest magnitude (the first device run measured 2.4e-5 absolute with TF32 convolutions on). The
-    model itself holds no graph."""
+    """The runner's encoder replayed from CUDA graphs (1, 2; 5 = 4 + 1 and 7 = 4 + 2 + 1 windows as several
+    replays; 12 windows, above the largest bucket, run eagerly, no graph) equals the model's eager encoder. fp32
+    with cuDNN's TF32 convolutions off; a bucket of another size may make cuBLAS pick other kernels (another
+    summation order), so the bound is fp32 rounding through the stack: 1e-5 of the output's largest magnitude (the
+    first device run measured 2.4e-5 absolute with TF32 convolutions on). The model itself holds no graph."""
     from glmasr.engine.model_runner import ENCODER_BUCKETS, ModelRunner
     from glmasr.models.fast import FastGlmAsrModel
     from glmasr.options import EngineOptions
@@ -224,12 +240,12 @@ def test_encoder_graphs_equal_eager(tiny_shipped):
     ref = glmasr.load(tiny_shipped, device="cuda", dtype="float32", backend="torch")
     fast = FastGlmAsrModel(ref.model)
     runner = ModelRunner(fast, EngineOptions(max_batch=1).resolved("cuda"))
-    assert runner.encoder_buckets == ENCODER_BUCKETS == (1, 2)
+    assert runner.encoder_buckets == ENCODER_BUCKETS == (1, 2, 4, 8)
     saved = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
     try:
         with torch.inference_mode():
-            for w in (1, 2, 5):
+            for w in (1, 2, 5, 7, 12):
                 feats = torch.randn(w, 128, 3000, device="cuda")
                 out = runner.encode_audio(feats)
                 expect = fast.encode_audio(feats)
@@ -238,7 +254,7 @@ def test_encoder_graphs_equal_eager(tiny_shipped):
                 assert err < 1e-5, f"{w} windows: {err:.2e}"
     finally:
         torch.backends.cudnn.allow_tf32 = saved
-    assert sorted(runner._encoder_graphs) == [1, 2] and runner.stats["encoder_captures"] == 2
+    assert sorted(runner._encoder_graphs) == [1, 2, 4] and runner.stats["encoder_captures"] == 3
     assert ModelRunner(ref.model, EngineOptions(max_batch=1).resolved("cuda")).encoder_buckets == ()
 
 

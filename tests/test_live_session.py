@@ -20,6 +20,7 @@ import asyncio
 import re
 import shutil
 import subprocess
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -628,6 +629,77 @@ def test_draft_outcomes_preempted_and_failed(asr):
     run(go())
     assert metrics.drafts == {"sent": 2, "aborted": 1, "failed": 1}
     assert stub.priorities == [Priority.DRAFT, Priority.DRAFT]
+
+
+class ScriptedDrafts:
+    """An engine client whose drafts return scripted texts in order (ids from the checkpoint's tokenizer) and that
+    records each draft's audio length; ``hold=True`` keeps every draft in flight until ``release()``."""
+
+    slots, num_pending = 8, 0
+
+    def __init__(self, prompts, texts, hold=False):
+        self.prompts, self.texts, self.hold = prompts, list(texts), hold
+        self.seconds: list[float] = []
+        self.gate = asyncio.Event()
+
+    def release(self):
+        self.gate.set()
+
+    def submit(self, audio, decode, t_start, audio_ms=0.0, pieces=None, stream=False, timeout=None,
+               priority=Priority.UPLOAD):
+        assert priority == Priority.DRAFT
+        self.seconds.append(round(len(audio.samples) / SR, 2))
+        ids = _ids(self.prompts, self.texts.pop(0))
+        client = self
+
+        class Req:
+            async def started(self):
+                return None
+
+            async def aresult(self):
+                if client.hold:
+                    await client.gate.wait()
+                return SimpleNamespace(token_ids=ids)
+
+            def abort(self):
+                pass
+
+        return Req()
+
+
+def test_first_words_drafts_every_half_hop(prompts):
+    """Until a turn has agreed text, drafts come every half hop (the first at one hop), so the first words show
+    ~1.5 hops in; from the first agreement on, one every hop after that draft's audio. Drafts that never agree
+    keep the half-hop cadence."""
+
+    def schedule(texts, seconds=4.0, hold=False):
+        stub, metrics, rec = ScriptedDrafts(prompts, texts, hold), Metrics(), Recorder()
+
+        async def go():
+            s = LiveSession(stub, prompts, None, LiveSettings(turn_detection=None, partials=True, partial_hop_s=1.0,
+                                                              context=False), emit=rec, metrics=metrics)
+            x = noise(seconds, seed=951)
+            for at in range(0, len(x), SR // 10):
+                s.append(x[at:at + SR // 10])
+                if hold:
+                    await asyncio.sleep(0.02)  # the draft's submit (a worker thread) happens; its result never
+                else:
+                    await s.flush()  # each draft finishes before more audio comes
+            await s.aclose()
+
+        run(go())
+        return stub.seconds, metrics.drafts, rec
+
+    words = ["one two", "one two three", "one two three four", "one two three four five", "one two three four five six"]
+    seconds, drafts, rec = schedule(words)
+    assert seconds == [1.0, 1.5, 2.5, 3.5], seconds  # agreed after the second draft: then every hop after 1.5 s
+    deltas = [e.delta for e in rec.events if isinstance(e, ev.TranscriptDelta)]
+    assert deltas[0] == "one" and "".join(deltas).split() == ["one", "two", "three"], deltas
+    seconds, _, _ = schedule(["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta"])
+    assert seconds == [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0], seconds  # no agreement: half hops throughout
+    # a half-hop draft is not sent while one is in flight; a whole hop aborts the stale one
+    seconds, drafts, _ = schedule(["alpha", "beta", "gamma"], seconds=2.3, hold=True)
+    assert seconds == [1.0, 2.0] and drafts == {"sent": 2, "aborted": 2}, (seconds, drafts)  # 2nd: by the close
 
 
 # ---------------------------------------------------------------------------------------------------- turn logic

@@ -13,8 +13,9 @@ The model is anything that satisfies ``models.interface.AsrModel`` (the plain ``
   (``model.prefill``: the prompts' tokens concatenated, no padding), or for a single sequence a CUDA graph per
   prompt-length bucket (``model.decode`` over the prompt right-padded to the bucket); the argmax and
   log-probability go through the same bookkeeping.
-- **Encoder**: window counts in ``ENCODER_BUCKETS`` (launch-bound: ~400 launches per eager pass) replay a CUDA
-  graph of ``model.encode_audio`` when the model's encoder runs on the Triton kernels; other counts run eagerly.
+- **Encoder**: up to the largest of ``ENCODER_BUCKETS`` windows replay CUDA graphs of ``model.encode_audio`` (one
+  per bucket, a count made of buckets: ``encoder_pieces``; an eager pass is ~400 launches) when the model's
+  encoder runs on the Triton kernels; larger counts run eagerly.
 - **Read-back**: after a round, the token buffer, the status, the stop token and the log-probabilities (float64,
   bit-cast to int64 so they travel in the same tensor) go to pinned host memory in one non-blocking copy with
   an event; ``finish_readback`` waits for that event only, so encoder work enqueued after the round keeps the
@@ -45,10 +46,12 @@ from .encode import encode_groups
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
-# Encoder window counts replayed from CUDA graphs: the launch-bound ones. From 3 windows on a pass is GPU-bound
-# (~5 ms of GPU work per window against ~400 launches), so it runs eagerly: a graph would only add its capture
-# (one more pass) and its own activation memory to the first call of each new count.
-ENCODER_BUCKETS = (1, 2)
+# Encoder window counts replayed from CUDA graphs. A count up to the largest runs as replays of these (7 = 4 + 2 +
+# 1): alone, a pass of 3 or more windows is GPU-bound and an eager one costs no more GPU time, but its ~400
+# launches hold the engine thread ~15-30 ms that it needs for the step's prefill and decode launches; under live
+# load (several turns per engine step) that made the steps, and so the turns per step, grow together. Above the
+# largest (offline chunks of up to 32) the eager pass runs: its launches are few against its GPU time.
+ENCODER_BUCKETS = (1, 2, 4, 8)
 MIN_KV_BUCKET = 256
 # Decode steps whose eager host time pays for capturing their bucket's graph (``ModelRunner.decode``).
 CAPTURE_STEPS = 4
@@ -85,6 +88,19 @@ def kv_bucket(n: int, capacity: int) -> int:
     return min(b, capacity)
 
 
+def encoder_pieces(windows: int, buckets: tuple[int, ...]) -> list[int]:
+    """The graph buckets that together make ``windows`` (largest first, e.g. 7 -> [4, 2, 1] with buckets 1, 2,
+    4, 8); [] when ``windows`` exceeds the largest bucket or no bucket can make it (then the eager pass runs)."""
+    if not buckets or windows > max(buckets) or windows < 1:
+        return []
+    pieces, left = [], windows
+    for b in sorted(buckets, reverse=True):
+        while b <= left:
+            pieces.append(b)
+            left -= b
+    return pieces if left == 0 else []
+
+
 class ModelRunner:
     """Runs a loaded model (``models.interface.AsrModel``) for the engine; see the module docstring.
 
@@ -113,8 +129,9 @@ class ModelRunner:
         self._use_mode()
         self.prefill_graphs = prefill_graphs and self.use_graphs
         # Encoder graphs (ENCODER_BUCKETS) where the encoder runs on the Triton kernels: an eager pass of one or
-        # two windows is launch-bound (H200: 23.6 ms per window eager against 5.3 ms from the graph). They live
-        # in a pool of their own and survive the KV capacity growth.
+        # two windows is launch-bound (H200: 23.6 ms per window eager against 5.3 ms from the graph), and one of
+        # up to 8 holds the engine thread that live steps need. They live in a pool of their own and survive the
+        # KV capacity growth.
         self.encoder_buckets = ENCODER_BUCKETS if self.use_graphs and model.triton_encoder else ()
         self._encoder_graphs: dict[int, tuple] = {}
         self._encoder_pool = cuda_graphs.GraphPool()
@@ -182,11 +199,22 @@ class ModelRunner:
         return embeds, timing
 
     def encode_audio(self, features: torch.Tensor) -> torch.Tensor:
-        """``model.encode_audio``, from the window count's CUDA graph where it has one (``encoder_buckets``;
-        captured on first use)."""
+        """``model.encode_audio``, from CUDA graphs (``encoder_buckets``; each captured on first use) for up to
+        the largest bucket's windows (``encoder_pieces``), eagerly above."""
         w = features.shape[0]
-        if w not in self.encoder_buckets:
+        pieces = encoder_pieces(w, self.encoder_buckets)
+        if not pieces:
             return self.model.encode_audio(features)
+        if len(pieces) == 1:
+            return self._encode_graphed(features)
+        out, a = [], 0
+        for n in pieces:
+            out.append(self._encode_graphed(features[a: a + n]))
+            a += n
+        return torch.cat(out)
+
+    def _encode_graphed(self, features: torch.Tensor) -> torch.Tensor:
+        w = features.shape[0]
         entry = self._encoder_graphs.get(w)
         if entry is None:
             t0 = time.perf_counter()

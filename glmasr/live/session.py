@@ -24,16 +24,18 @@ deltas arrive, trailing whitespace held back, so the deltas concatenate to the `
 exactly; with partials off, that transcript is what ``transcribe()`` gives for the same samples and prompt (same
 engine). An engine error gives ``TranscriptFailed`` and the session goes on.
 
-Partials (``settings.partials``). Every ``partial_hop_s`` of new audio in an open turn (of at most 30 s: one
-prompt group), one ``Priority.DRAFT`` request (not streamed) on the turn so far, forced to start with the ids
-agreed so far; at most one in flight per session: a newer hop aborts a stale draft, and a hop is skipped while
-the engine is full (``client.num_pending >= client.slots``). ``agreement.agree`` (LocalAgreement-2) over the
-last two drafts' token ids extends the agreed prefix; its new text goes out at once as a ``TranscriptDelta``. The
-final is submitted with ``forced_prefix_ids`` = the agreed ids, so what was sent is never retracted. (A manual
-turn longer than 30 s with agreed text is finalized as two requests, the first 30 s forced and the rest, joined
-with a space like the groups of one request.) Forcing audit: after a forced final, when a metrics hook wants it
-(``on_forcing``) and the engine has room, an unforced decode of the same samples at ``Priority.DRAFT`` tells
-whether forcing changed the text.
+Partials (``settings.partials``). Every ``partial_hop_s`` of new audio in an open turn (of at most 30 s: one prompt
+group), one ``Priority.DRAFT`` request (not streamed) on the turn so far, forced to start with the ids agreed so
+far; at most one in flight per session: a newer hop aborts a stale draft, and a hop is skipped while the engine is
+full (``client.num_pending >= client.slots``). Until the turn has agreed text, drafts come every half hop (the first
+at one hop; a half-hop one is not sent while another is in flight): the first words need two drafts, so they show
+~1.5 hops into the turn rather than ~2; from the first agreement on, a draft every hop. ``agreement.agree``
+(LocalAgreement-2) over the last two drafts' token ids extends the agreed prefix; its new text goes out at once as a
+``TranscriptDelta``. The final is submitted with ``forced_prefix_ids`` = the agreed ids, so what was sent is never
+retracted. (A manual turn longer than 30 s with agreed text is finalized as two requests, the first 30 s forced and
+the rest, joined with a space like the groups of one request.) Forcing audit: after a forced final, when a metrics
+hook wants it (``on_forcing``) and the engine has room, an unforced decode of the same samples at ``Priority.DRAFT``
+tells whether forcing changed the text.
 
 Context (``settings.context``): the previous turn's transcript (its last ``CONTEXT_CHARS`` characters) goes into
 the instruction, after the prompt and before the hotwords: ``{prompt}\\nContext: {text}\\nHotwords: a, b``
@@ -743,11 +745,17 @@ class LiveSession:
             return
         n = self._buf.end - item.start
         hop = round(self.settings.partial_hop_s * SAMPLE_RATE)
-        if n < max(item.next_hop, hop):
+        due = max(item.next_hop, hop)
+        if n < due:
             return
-        item.next_hop = (n // hop + 1) * hop
+        # A turn's first words need two drafts that agree, so until some text is agreed drafts come every half
+        # hop (the first at one hop): its first words show ~1.5 hops into the turn, not ~2; then every hop.
+        step = hop if item.agreed else max(1, hop // 2)
+        item.next_hop = due + ((n - due) // step + 1) * step
         if n > MAX_DRAFT_S * SAMPLE_RATE:
             return  # the turn outgrew one prompt group: its agreed prefix stays where it is
+        if not item.agreed and (n // hop) * hop < due and item.draft is not None and not item.draft.done():
+            return  # a half-hop draft never aborts one in flight (under load they would abort each other)
         self._abort_draft(item)
         if self.client.num_pending >= self.client.slots:
             self._metric("on_draft", "skipped")
@@ -787,6 +795,8 @@ class LiveSession:
             return
         agreed = agree(previous, item.last_draft, item.agreed, self._decode)
         if len(agreed) > len(item.agreed):
+            if not item.agreed:  # the first words: from here a draft every hop after this one's audio
+                item.next_hop = max(item.next_hop, len(samples) + round(self.settings.partial_hop_s * SAMPLE_RATE))
             item.agreed = agreed
             self._send(item, agreed_text(agreed, self._decode))
 

@@ -38,9 +38,10 @@ Our extensions (every OpenAI client may leave them out):
   (beta): what vLLM- and Riva-style clients send; saves the client a resampler.
 - ``transcription.keywords``: hotwords, folded into the instruction as ``POST /v1/audio/transcriptions`` does.
 - ``transcription.interim_results: true``: stable partial text while a person speaks (off by default): a draft
-  transcription every ``partial_hop_ms`` (250-10000, default 1000) of the turn so far; the text two consecutive
-  drafts agree on goes out as ``delta`` events at once, and the turn's final decode continues from it, so nothing
-  sent is ever retracted and the deltas still concatenate to the ``completed`` transcript.
+  transcription every ``partial_hop_ms`` (250-10000, default 1000; every half of it until the turn has agreed
+  text) of the turn so far; the text two consecutive drafts agree on goes out as ``delta`` events at once, and the
+  turn's final decode continues from it, so nothing sent is ever retracted and the deltas still concatenate to the
+  ``completed`` transcript.
 - ``transcription.context`` (default true): the previous turn's transcript goes into the next turn's instruction
   (``glmasr.live.session.live_instruction``); false makes every turn's ``completed`` transcript exactly what
   ``transcribe()`` gives for that turn's samples with the session's prompt and keywords (the first turn's always is).
