@@ -119,10 +119,13 @@ step() {
     STEPS+=(--step "$name|$rc|$(( SECONDS - t0 ))|$budget|$log")
 }
 
-# The GPU-heavy test files first (a budget cut then loses the cheap CPU ones), then the rest of tests/ (pytest
-# drops the duplicates).
+# The GPU-heavy test files first (a budget cut then loses the cheap CPU ones), then every other file of tests/,
+# each named: given a folder, pytest 9 collects it in its own (alphabetical) order, files named before it included.
 PRIORITY_TESTS=(tests/test_engine.py tests/test_fast_path.py tests/test_skinny_gemm.py tests/test_end_to_end.py
-                tests/test_triton_kernels.py tests/test_logmel_cuda.py tests)
+                tests/test_triton_kernels.py tests/test_logmel_cuda.py)
+for f in tests/test_*.py; do
+    [[ " ${PRIORITY_TESTS[*]} " == *" $f "* ]] || PRIORITY_TESTS+=("$f")
+done
 
 # run_tests WANT [PYTEST-ARGS]: the cubin prewarm (when the log-mel tests are selected), then pytest
 run_tests() {

@@ -473,10 +473,12 @@ def test_fast_model_encode_states_equals_the_reference(tiny_shipped):
     import glmasr
     from glmasr.models.fast import FastGlmAsrModel
 
-    asr = glmasr.load(tiny_shipped, device="cpu")  # its own: the fast model re-points the reference's weights
+    # the Triton model path wants CUDA weights (on the CPU, the interpreter conftest turns on)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    asr = glmasr.load(tiny_shipped, device=device)  # its own: the fast model re-points the reference's weights
     try:
         fast = FastGlmAsrModel(asr.model)
-        feats = torch.randn(2, 128, 400)
+        feats = torch.randn(2, 128, 400, device=device)
         with torch.no_grad():
             assert torch.equal(fast.encode_states(feats), asr.model.encode_states(feats))
     finally:
