@@ -25,8 +25,9 @@ if delay:  # test hook: every engine step sleeps, so a request lasts long enough
         time.sleep(delay)
         return _step(self)
     Engine.step = step
-from glmasr.cli import main
-sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":  # engine processes (--frontends, --data-parallel) spawn from this file: not again there
+    from glmasr.cli import main
+    sys.exit(main(sys.argv[1:]))
 """
 
 
@@ -37,7 +38,8 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``glmasr serve`` on the tiny checkpoint, CPU, with the key ``KEY``; ``extra``: more flags."""
+    """``glmasr serve`` on the tiny checkpoint, CPU (``--device cpu``, unless ``extra`` names ``--devices``), with
+    the key ``KEY``; ``extra``: more flags."""
 
     def __init__(self, folder: Path, tmp: Path, delay: float = 0.0, extra=(), log_level: str = "warning"):
         self.port = free_port()
@@ -47,8 +49,9 @@ class ServerProcess:
         env = dict(os.environ, GLMASR_TEST_STEP_DELAY=str(delay), PYTHONUNBUFFERED="1")
         self.log_path = tmp / f"server-{self.port}.log"
         self.log = open(self.log_path, "w+")
+        device = () if "--devices" in extra else ("--device", "cpu")  # --data-parallel: the workers' devices
         self.proc = subprocess.Popen(
-            [sys.executable, str(launcher), "serve", "--model", str(folder), "--device", "cpu", "--host",
+            [sys.executable, str(launcher), "serve", "--model", str(folder), *device, "--host",
              "127.0.0.1", "--port", str(self.port), "--api-key", KEY, "--max-batch", "8", "--warmup", "request",
              "--log-level", log_level, *extra], env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.http = httpx2.Client(base_url=self.base, timeout=30)
@@ -63,6 +66,20 @@ class ServerProcess:
                 except httpx2.TransportError:
                     pass
                 time.sleep(0.1)
+            frontends = int(extra[list(extra).index("--frontends") + 1]) if "--frontends" in extra else 1
+            ready: set[int] = set()
+            # each front-end warms up on its own: wait until every one says ok
+            while frontends > 1 and len(ready) < frontends:
+                assert self.proc.poll() is None, f"server exited: {self.output()}"
+                assert time.monotonic() < deadline, f"front-ends not all ready in time: {self.output()}"
+                try:
+                    with httpx2.Client(base_url=self.base, timeout=30) as fresh:  # a new connection: any front-end
+                        h = fresh.get("/health", headers={"Authorization": f"Bearer {KEY}"}).json()
+                    if h.get("status") == "ok" and h.get("frontend") is not None:
+                        ready.add(h["frontend"]["index"])
+                except (httpx2.TransportError, ValueError):
+                    pass
+                time.sleep(0.02)
         except BaseException:
             self.stop()
             raise

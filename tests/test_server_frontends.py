@@ -205,7 +205,7 @@ def ref_text(single, name, data) -> str:
 
 # ---- no server: flags and the shared counts ----
 def test_bad_flag_combinations_are_refused_with_a_clear_error(tiny_shipped, capsys):
-    for argv, match in [(["--frontends", "2", "--aligner", "x"], "--aligner works with one engine"),
+    for argv, match in [(["--frontends", "2", "--aligner", str(tiny_shipped / "no_head")], "aligner '"),
                         (["--frontends", "2", "--data-parallel", "2", "--device", "cpu"], "--devices"),
                         (["--frontends", "2", "--data-parallel", "2", "--devices", "cpu"], "names 1 devices"),
                         (["--frontends", "4", "--device", "cpu", "--max-connections", "3"],

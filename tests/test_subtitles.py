@@ -610,7 +610,6 @@ def cli_main(argv):
     (["--word-timestamps"], ["--word-timestamps", "--aligner"]),
     (["--highlight-words"], ["--highlight-words", "--word-timestamps", "--aligner"]),
     (["--max-segment-s", "7", "--segmentation", "windows"], ["--max-segment-s", "--segmentation"]),
-    (["--aligner", "x", "--devices", "cpu,cpu"], ["--aligner", "--devices"]),
 ])
 def test_cli_flags_that_do_not_go_together(flags, words, tmp_path, tiny_shipped, capsys):
     sf.write(tmp_path / "x.wav", noise(1.0, 3), 16000)
@@ -631,12 +630,27 @@ def test_cli_flag_values_are_checked(flags, match, capsys):
     assert e.value.code == 2 and match in capsys.readouterr().err
 
 
-def test_serve_aligner_needs_one_engine(tiny_shipped, capsys):
+def test_a_bad_aligner_fails_before_any_worker_starts(tmp_path, tiny_shipped, capsys):
+    """With several engine processes (serve --data-parallel, transcribe --devices) the head is found and checked
+    once, in the parent: exit status 2 with the loader's message, no worker spawned, no output written."""
     pytest.importorskip("uvicorn")
-    rc = cli_main(["serve", "--model", str(tiny_shipped), "--aligner", "x", "--data-parallel", "2",
-                   "--devices", "cpu,cpu"])
-    err = capsys.readouterr().err
-    assert rc == 2 and "--aligner" in err and "--data-parallel" in err
+    sf.write(tmp_path / "x.wav", noise(1.0, 5), 16000)
+    missing = tmp_path / "no_head"
+    for argv in (["serve", "--data-parallel", "2", "--devices", "cpu,cpu"],
+                 ["transcribe", str(tmp_path / "x.wav"), "-q", "--devices", "cpu,cpu"]):
+        rc = cli_main(argv + ["--model", str(tiny_shipped), "--aligner", str(missing)])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"aligner {str(missing)!r}" in err and "Traceback" not in err, err
+    assert not (tmp_path / "x.txt").exists()
+
+
+def test_a_pool_takes_the_aligner_as_a_folder(tiny_shipped, aligned):
+    """Worker processes load the head themselves: an ``Aligner`` object is refused (TypeError naming what to
+    give) before any worker starts."""
+    from glmasr.workers import DevicePool
+
+    with pytest.raises(TypeError, match="head folder or hub id"):
+        DevicePool(["cpu"], model=tiny_shipped, aligner=aligned.aligner)
 
 
 def test_a_bad_aligner_is_an_error_naming_it(tmp_path, tiny_shipped, capsys):
@@ -731,6 +745,26 @@ def test_cli_word_times_end_to_end(tmp_path, tiny_shipped, head_folder, aligned)
                             "--max-line-width", "10"]) == 0
     assert (tmp_path / "talk.vtt").read_text(encoding="utf-8") == \
         render(ref, "vtt", CueOptions(max_line_width=10, max_line_count=1, max_cue_s=1.5))
+
+
+def test_cli_word_times_on_two_workers(tmp_path, tiny_shipped, head_folder, aligned):
+    """--devices cpu,cpu --aligner: each worker process loads the head; two files come out as the handle in this
+    process writes them (json words, srt cues at word times)."""
+    names = []
+    for k in range(2):
+        path = tmp_path / f"talk{k}.flac"
+        sf.write(path, speech_audio(reps=2 + k), 16000)
+        names.append(path)
+    assert cli_main(["transcribe", *map(str, names), "--model", str(tiny_shipped), "--devices", "cpu,cpu",
+                     "--max-new-tokens", "12", "-q", "--aligner", str(head_folder), "-f", "json,srt"]) == 0
+    decode = glmasr.DecodeOptions(max_new_tokens=12, segmentation="vad", max_segment_s=SUBTITLE_MAX_SEGMENT_S,
+                                  word_timestamps=True)
+    for path in names:
+        ref = aligned.submit(str(path), decode).result()
+        assert sum(len(s.words) for s in ref.segments) >= 2
+        assert _json_without_logprobs(path.with_suffix(".json").read_text(encoding="utf-8")) == \
+            _json_without_logprobs(render(ref, "json"))
+        assert path.with_suffix(".srt").read_text(encoding="utf-8") == render(ref, "srt")
 
 
 def test_server_word_times_end_to_end(aligned):

@@ -5,8 +5,9 @@ the admitted requests finish (up to ``--drain-timeout`` s; streams included), th
 get an ``error`` event (``shutting_down``) and close code 1012, the engine stops, and the process exits with
 status 0.
 
-``--aligner PATH``: a CTC aligner head loaded beside the model (``glmasr.load(..., aligner=PATH)``): requests may ask
-for word times (``verbose_json`` with ``timestamp_granularities[]=word``); without it such a request is a 400.
+``--aligner PATH``: a CTC aligner head loaded beside the model (``glmasr.load(..., aligner=PATH)``; with
+``--data-parallel``, ``--devices`` or ``--frontends`` every engine process loads it): requests may ask for word times
+(``verbose_json`` with ``timestamp_granularities[]=word``); without it such a request is a 400.
 
 ``--decode-weights int8`` (opt-in; default bf16): the decode step streams per-row int8 copies of the decoder's
 matrices (``glmasr.load(..., decode_weights="int8")``: the CUDA Triton path, ~1.35 GB more memory for the full-size
@@ -46,8 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "weights/GLM-ASR-Nano-2512 if present, else zai-org/GLM-ASR-Nano-2512")
     p.add_argument("--aligner", default=None, metavar="PATH",
                    help="a CTC aligner head's folder (the glm-asr-ctc layout) or hub id: requests may then ask for "
-                        "word times (verbose_json with timestamp_granularities[]=word); one engine only, not with "
-                        "--data-parallel")
+                        "word times (verbose_json with timestamp_granularities[]=word); every engine process loads it")
     p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                    help="another name clients may send as `model` (repeatable); always served: glm-asr-nano-2512 "
                         "and the checkpoint folder's name")
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "requests (default 1: one process). --max-queue and --max-realtime-sessions stay global "
                         "(counted over all front-ends); --max-connections and --max-uploads are split evenly "
                         "(each >= K); /metrics sums every front-end; a dead front-end or engine process is "
-                        "restarted. Not with --aligner")
+                        "restarted")
     p.add_argument("--worker-timeout", type=non_negative_float, default=120.0, metavar="S",
                    help="with --data-parallel: a worker whose engine makes no step for S seconds while it holds "
                         "requests is killed (its requests get a 503) and restarted (default 120; 0 = never)")
@@ -147,12 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         origins = tuple(normalize_origin(o) for o in args.allowed_origins)  # a typo fails before the model loads
         model = pick_model(args.model)
         if frontends:
-            if args.aligner is not None:
-                raise ValueError("--aligner works with one engine in the serving process, not with --frontends")
             engine = _engine_host(args, model)
         elif data_parallel:
-            if args.aligner is not None:
-                raise ValueError("--aligner works with one engine, not with --data-parallel or --devices")
             engine = _data_parallel_client(args, model)
         else:
             aligner = {"aligner": args.aligner} if args.aligner is not None else {}
@@ -231,7 +227,7 @@ def _engine_host(args, model):
         devices = [f"cuda:{dev.index or 0}" if dev.type == "cuda" else "cpu"]
     return EngineHost(devices, model=model, dtype=args.dtype, max_batch=args.max_batch,
                       drain_timeout_s=args.drain_timeout, worker_timeout_s=args.worker_timeout or None,
-                      hooks=_TEST_HOOKS, decode_weights=args.decode_weights)
+                      hooks=_TEST_HOOKS, decode_weights=args.decode_weights, aligner=args.aligner)
 
 
 def _data_parallel_client(args, model):
@@ -241,4 +237,4 @@ def _data_parallel_client(args, model):
     return DataParallelEngineClient(devices, model=model, dtype=args.dtype, max_batch=args.max_batch,
                                     drain_timeout_s=args.drain_timeout,
                                     worker_timeout_s=args.worker_timeout or None,
-                                    decode_weights=args.decode_weights)
+                                    decode_weights=args.decode_weights, aligner=args.aligner)

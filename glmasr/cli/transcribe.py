@@ -27,7 +27,7 @@ carry their ``words``, tsv is written one row per word, and srt/vtt cues are cut
 ``--max-line-count`` lines (default 2) of ``--max-line-width`` characters (default 42) and at most
 ``--max-cue-s`` seconds (default 7); ``--highlight-words`` writes one cue per word, underlined (it needs word
 times). Without word times a cue is a segment with its own times, its text wrapped at ``--max-line-width``
-(``glmasr.writers``: no time is invented). ``--aligner`` works with one engine, not with ``--devices``.
+(``glmasr.writers``: no time is invented). With ``--devices`` every worker loads the aligner.
 
 Speakers: ``--diarize`` labels every segment (and word) with its speaker (``glmasr.diarize``, needs
 ``pip install 'glmasr[diarize]'``: without it the run stops before any work, exit status 2): vtt cues carry
@@ -420,8 +420,6 @@ class _Run:
             if args.devices is not None:
                 if args.device is not None:
                     raise ValueError("give --device or --devices, not both")
-                if args.aligner is not None:
-                    raise ValueError("--aligner works with one engine (--device), not with --devices")
                 from ..workers import DevicePool
 
                 self.pool = DevicePool(args.devices, model=pick_model(args.model), dtype=args.dtype,

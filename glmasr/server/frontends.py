@@ -215,6 +215,7 @@ class FrontendSpec:
     drain_timeout_s: float
     restarted: bool = False
     threads: int = 1  # torch CPU threads (the live VAD network): the cores split over the front-ends
+    word_timestamps: bool = False  # the engines load an aligner (EngineHost.word_timestamps)
 
 
 def frontend_threads(k: int) -> int:
@@ -242,7 +243,8 @@ def frontend_main(spec: FrontendSpec, pipe) -> None:
     except OSError as e:
         pipe.send(("start_failed", f"cannot bind {spec.host}:{spec.port}: {e}"))
         return
-    engine = AttachedEngineClient(spec.endpoints, spec.authkey, spec.folder, spec.slots, spec.pending)
+    engine = AttachedEngineClient(spec.endpoints, spec.authkey, spec.folder, spec.slots, spec.pending,
+                                  word_timestamps=spec.word_timestamps)
     frontend = Frontend(spec.index, spec.count, spec.metrics_dir, spec.queue_counts, spec.session_counts,
                         warm_first=spec.restarted)
     app = create_app(engine, spec.config, frontend=frontend)
@@ -350,7 +352,8 @@ class Supervisor:
                             slots=self.engine.slots, pending=self.engine.pending, queue_counts=self._queue_counts,
                             session_counts=self._session_counts, metrics_dir=self._metrics_dir,
                             log_level=self.log_level, drain_timeout_s=self.drain_timeout_s,
-                            restarted=f.restarts > 0, threads=frontend_threads(self.k))
+                            restarted=f.restarts > 0, threads=frontend_threads(self.k),
+                            word_timestamps=self.engine.word_timestamps)
         reader, writer = self._ctx.Pipe(duplex=False)
         p = self._ctx.Process(target=frontend_main, args=(spec, writer), daemon=True,
                               name=f"glmasr-frontend{f.index}")

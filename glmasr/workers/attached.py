@@ -61,12 +61,13 @@ class EngineHost(WorkerPool):
     def __init__(self, devices, model=None, dtype=None, threads: int | None = None,
                  drain_timeout_s: float = 60.0, start_timeout_s: float = 900.0,
                  worker_timeout_s: float | None = 120.0, hooks: dict | None = None, decode_weights: str = "bf16",
-                 **engine_options):
+                 aligner=None, **engine_options):
         from multiprocessing.sharedctypes import RawArray
 
         super().__init__(devices, model, dtype, threads=threads, start_timeout_s=start_timeout_s,
                          worker_timeout_s=worker_timeout_s, drain_timeout_s=drain_timeout_s, hooks=hooks,
-                         engine_options=engine_options, name="glmasr-engine", decode_weights=decode_weights)
+                         engine_options=engine_options, name="glmasr-engine", decode_weights=decode_weights,
+                         aligner=aligner)
         self.socket_folder = ""
         self.authkey = b""
         self.pending = RawArray("q", len(self.devices))
@@ -79,6 +80,11 @@ class EngineHost(WorkerPool):
             raise ValueError(f"warmup must be one of {WARMUPS}, got {warmup!r}")
         self.socket_folder, self.authkey = str(folder), bytes(authkey)
         self._start(warmup=warmup, server=True, listen=(self.socket_folder, self.authkey), pending=self.pending)
+
+    @property
+    def word_timestamps(self) -> bool:
+        """The engines load an aligner: the front-ends' clients say so (``AttachedEngineClient``)."""
+        return self.aligner is not None
 
     def endpoints(self) -> list[tuple[int, str, str]]:
         """(slot, device, socket address) of every engine: what a front-end connects to."""
@@ -127,11 +133,12 @@ class _Link(Worker):
 class AttachedEngineClient(EngineClient):
     """A front-end's engine client over the supervisor's engine processes (module docstring). ``endpoints``:
     ``EngineHost.endpoints()``; ``pending``: ``EngineHost.pending``; ``slots``: ``EngineHost.slots``;
-    ``folder``: the checkpoint folder."""
+    ``folder``: the checkpoint folder; ``word_timestamps``: ``EngineHost.word_timestamps``."""
 
-    def __init__(self, endpoints, authkey: bytes, folder, slots: int, pending=None):
+    def __init__(self, endpoints, authkey: bytes, folder, slots: int, pending=None, word_timestamps: bool = False):
         self.folder = Path(folder)
         self.slots = slots
+        self._word_timestamps = bool(word_timestamps)
         self._authkey = authkey
         self._pending = pending
         self._links = []
@@ -294,6 +301,10 @@ class AttachedEngineClient(EngineClient):
                 link.sendq.put(("abort", req.rid))
 
     # ---- state ----
+    @property
+    def word_timestamps(self) -> bool:
+        return self._word_timestamps
+
     @property
     def num_pending(self) -> int:
         if self._pending is not None:  # every front-end's requests: the engines' own count

@@ -96,7 +96,8 @@ class DevicePool(WorkerPool):
     file_timeout_s: a worker holding one file longer than this is killed (then as a crash). start_timeout_s: a
     worker not loaded by then is given up. worker_timeout_s: a worker holding files whose engine makes no step for
     this long is killed (None: off). threads: torch threads per worker (default: the cores split evenly).
-    engine_options: ``EngineOptions`` fields (max_batch, ...). Call ``close`` (or use ``with``) when done.
+    aligner: a glm-asr-ctc head folder or hub id every worker loads, for ``decode.word_timestamps`` (checked here,
+    once). engine_options: ``EngineOptions`` fields (max_batch, ...). Call ``close`` (or use ``with``) when done.
 
     The calling program must be importable without side effects (``if __name__ == "__main__":``), as always with
     the ``spawn`` start method.
@@ -107,7 +108,7 @@ class DevicePool(WorkerPool):
     def __init__(self, devices, model=None, dtype=None, decode: DecodeOptions | None = None,
                  in_flight: int | None = None, retries: int = 2, file_timeout_s: float | None = None,
                  start_timeout_s: float = 900.0, threads: int | None = None, worker_timeout_s: float | None = None,
-                 _test_hooks: dict | None = None, decode_weights: str = "bf16", **engine_options):
+                 _test_hooks: dict | None = None, decode_weights: str = "bf16", aligner=None, **engine_options):
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
         if in_flight is not None and (isinstance(in_flight, bool) or not isinstance(in_flight, int)
@@ -115,7 +116,8 @@ class DevicePool(WorkerPool):
             raise ValueError(f"in_flight must be a positive integer, got {in_flight!r}")
         super().__init__(devices, model, dtype, threads=threads, start_timeout_s=start_timeout_s,
                          worker_timeout_s=worker_timeout_s, drain_timeout_s=30.0, hooks=_test_hooks,
-                         engine_options=engine_options, name="glmasr-worker", decode_weights=decode_weights)
+                         engine_options=engine_options, name="glmasr-worker", decode_weights=decode_weights,
+                         aligner=aligner)
         self.decode = decode or DecodeOptions()
         self.retries = retries
         self.file_timeout_s = file_timeout_s

@@ -29,6 +29,7 @@ must not block.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -97,7 +98,8 @@ class WorkerPool:
 
     def __init__(self, devices, model=None, dtype=None, threads: int | None = None, start_timeout_s: float = 900.0,
                  worker_timeout_s: float | None = None, drain_timeout_s: float = 30.0, hooks: dict | None = None,
-                 engine_options: dict | None = None, name: str = "glmasr-worker", decode_weights: str = "bf16"):
+                 engine_options: dict | None = None, name: str = "glmasr-worker", decode_weights: str = "bf16",
+                 aligner=None):
         from ..options import EngineOptions
         from ..checkpoint.weights import DEFAULT_MODEL_ID, read_config, resolve_checkpoint
         from ..models.fast_weights import check_decode_weights
@@ -114,8 +116,18 @@ class WorkerPool:
         self.engine_options = {k: v for k, v in (engine_options or {}).items() if v is not None}
         self.options = EngineOptions.from_env(**self.engine_options)  # bad options fail here, not in every worker
         self.folder = resolve_checkpoint(model if model is not None else DEFAULT_MODEL_ID)  # a download: once, here
-        read_config(self.folder)  # a broken config fails here, once
+        config = read_config(self.folder)  # a broken config fails here, once
         self.model = str(self.folder)
+        # word times: the head is found (a hub id downloads here, once) and checked against the model here, so a
+        # bad head fails before any worker starts; each worker loads it from the resolved folder
+        self.aligner: str | None = None
+        if aligner is not None:
+            from ..align import load_aligner
+
+            if not isinstance(aligner, (str, os.PathLike)):
+                raise TypeError(f"aligner must be a glm-asr-ctc head folder or hub id (each worker process loads "
+                                f"its own), got {type(aligner).__name__}")
+            self.aligner = load_aligner(aligner, self.folder, "cpu", model_config=config).source
         self.dtype = None if dtype is None else str(dtype).replace("torch.", "")
         self.start_timeout_s = start_timeout_s
         self.worker_timeout_s = worker_timeout_s
@@ -216,7 +228,7 @@ class WorkerPool:
         def spec(device):
             return WorkerSpec(slot=w.slot, device=device, model=self.model, dtype=self.dtype,
                               engine_options=self.engine_options, threads=w.threads, hooks=self._hooks,
-                              decode_weights=self.decode_weights, **self._spec)
+                              decode_weights=self.decode_weights, aligner=self.aligner, **self._spec)
 
         w.process, w.to_child, w.from_child = spawn(self._ctx, spec, w.device, f"{self._name}{w.slot}")
         w.sendq = queue.SimpleQueue()

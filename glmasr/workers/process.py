@@ -104,6 +104,7 @@ class WorkerSpec:
     engine_options: dict
     threads: int
     decode_weights: str = "bf16"  # glmasr.load's
+    aligner: str | None = None  # glmasr.load's: a resolved glm-asr-ctc head folder (word times), or None
     warmup: str = "none"  # "full" | "request" | "none" (LocalEngineClient.warmup)
     server: bool = False  # serve through glmasr.server's LocalEngineClient (needs the serve extra)
     hooks: dict = field(default_factory=dict)
@@ -154,7 +155,7 @@ def worker_main(spec: WorkerSpec, inbox, outbox) -> None:
         torch.set_num_threads(spec.threads)
         audio_mod.AUDIO_THREADS = spec.threads  # decoding/resampling threads of one long file
         asr = glmasr.load(spec.model, device=spec.device, dtype=spec.dtype, decode_weights=spec.decode_weights,
-                          **spec.engine_options)
+                          aligner=spec.aligner, **spec.engine_options)
         load_ms = 1e3 * (time.perf_counter() - t0)
         if spec.server:
             from .engine_client import LocalEngineClient

@@ -173,7 +173,8 @@ def pick_least_loaded(workers, picks, what: str):
 class DataParallelEngineClient(WorkerPool, EngineClient):
     """N engine worker processes, one per entry of ``devices`` (e.g. ``["cuda:0", "cuda:1"]``, or ``"cpu,cpu"``;
     an entry may repeat: two engines on one GPU). model: a checkpoint folder or hub id (resolved here, once).
-    engine_options: ``EngineOptions`` fields for every worker (max_batch, ...). threads: torch threads per worker
+    engine_options: ``EngineOptions`` fields for every worker (max_batch, ...). aligner: a glm-asr-ctc head folder
+    or hub id every worker loads (word times; checked here, once). threads: torch threads per worker
     (default: the cores split evenly). start_timeout_s: a worker not ready by then is given up.
     worker_timeout_s: the watchdog (None: off). The workers start with ``warmup(mode)`` (the app's lifespan calls
     it) and report ready once loaded and warmed up; ``close`` drains and stops them."""
@@ -182,11 +183,11 @@ class DataParallelEngineClient(WorkerPool, EngineClient):
 
     def __init__(self, devices, model=None, dtype=None, threads: int | None = None, drain_timeout_s: float = 60.0,
                  start_timeout_s: float = 900.0, worker_timeout_s: float | None = 120.0,
-                 _test_hooks: dict | None = None, decode_weights: str = "bf16", **engine_options):
+                 _test_hooks: dict | None = None, decode_weights: str = "bf16", aligner=None, **engine_options):
         super().__init__(devices, model, dtype, threads=threads, start_timeout_s=start_timeout_s,
                          worker_timeout_s=worker_timeout_s, drain_timeout_s=drain_timeout_s,
                          hooks=_TEST_HOOKS if _test_hooks is None else _test_hooks, engine_options=engine_options,
-                         name="glmasr-engine", decode_weights=decode_weights)
+                         name="glmasr-engine", decode_weights=decode_weights, aligner=aligner)
         self.slots = sum(self.options.resolved("cuda" if d.startswith("cuda") else "cpu").max_batch
                          for d in self.devices)
         self._ids = itertools.count()
@@ -260,6 +261,10 @@ class DataParallelEngineClient(WorkerPool, EngineClient):
             req._deliver(("died", text, code))
 
     # ---- state ----
+    @property
+    def word_timestamps(self) -> bool:
+        return self.aligner is not None
+
     @property
     def num_pending(self) -> int:
         with self._cv:
