@@ -185,6 +185,7 @@ def test_latency_and_turns_are_what_the_server_did(scripted):
     assert 0 <= stop["p50"] < 100, stop  # stopped goes out on receipt of the chunk holding the end
     assert row["turn_end_vs_offline_ms"]["max"] <= 1.0  # the script's turns are the expected ones exactly
     assert row["partial_interval_ms"]["n"] == 0 and row["partial_updates"] == 0  # partials off
+    assert row["onset_to_first_update_ms"]["n"] == 0
     # every session sent its update in the GA shape, with the key as a bearer token
     assert len(scripted.updates) == 3 and set(scripted.auth) == {"Bearer sekrit"}
     s = scripted.updates[0]["session"]
@@ -202,6 +203,8 @@ def test_partial_interval_is_the_servers_delta_rhythm(scripted):
     gaps = row["partial_interval_ms"]
     assert row["partial_updates"] > 0 and gaps["n"] > row["partial_updates"] // 2
     assert 280 <= gaps["p50"] <= 420, gaps  # 300 ms, in 40 ms chunk steps
+    first = row["onset_to_first_update_ms"]  # one per turn, each one of the gaps
+    assert first["n"] == row["turns"]["completed"] and 0 < first["p50"] <= gaps["max"], first
     tr = scripted.updates[0]["session"]["audio"]["input"]["transcription"]
     assert tr["interim_results"] is True and tr["partial_hop_ms"] == 300
     assert row["turns"]["lost"] == 0

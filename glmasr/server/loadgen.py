@@ -37,9 +37,10 @@ failed (lost = committed but never finished within ``--grace`` s, plus expected 
 end of speech to ``completed`` (end of speech = the ``speech_stopped`` event's ``audio_end_ms``, which includes
 ``silence_duration_ms``, mapped to the wall time at which the chunk holding that audio was sent) and to the turn's
 first delta after it, the partial update interval (``--partials``: the gaps between what a person sees change while
-they speak: from the turn's onset through its deltas to its end of speech), how far the client fell behind its
-real-time schedule, and the server's CPU use (the process ``--server-pid`` and its children, from /proc;
-``--serve``: this process) and GPU use (``nvidia-smi``, when it exists), sampled every second.
+they speak: from the turn's onset through its deltas to its end of speech) and the first of those gaps alone (onset
+to the turn's first words), how far the client fell behind its real-time schedule, and the server's CPU use (the
+process ``--server-pid`` and its children, from /proc; ``--serve``: this process) and GPU use (``nvidia-smi``, when
+it exists), sampled every second.
 """
 
 from __future__ import annotations
@@ -480,7 +481,8 @@ async def realtime_session(ws_url: str, api_key: str, sp: SpeechPass, plan: Stre
 
     import websockets
 
-    res = {"latency": [], "first_delta": [], "stop_delay": [], "partial_gaps": [], "boundary_ms": [],
+    res = {"latency": [], "first_delta": [], "stop_delay": [], "partial_gaps": [], "first_update": [],
+           "boundary_ms": [],
            "send_lag": [], "start_late": [], "expected": len(plan.turns), "committed": 0, "completed": 0,
            "failed": 0, "unfinished": 0, "missed": 0, "extra": 0, "session_failed": 0, "partial_updates": 0,
            "errors": [], "audio_s": 0.0}
@@ -609,6 +611,7 @@ async def realtime_session(ws_url: str, api_key: str, sp: SpeechPass, plan: Stre
             if end > onset:
                 times = [onset] + [u for u in sorted(t.updates) if onset < u < end] + [end]
                 res["partial_gaps"] += np.diff(times).tolist()
+                res["first_update"].append(times[1] - onset)  # the turn's first words (none: its speech)
     res["committed"] = len(committed)
     res["missed"] = max(0, len(plan.turns) - len(committed))
     res["extra"] = max(0, len(committed) - len(plan.turns))
@@ -793,8 +796,8 @@ def run_realtime(url: str, api_key: str, passes: list[SpeechPass], sessions: int
             results = [r for f in futs for r in f.result()]
     wall = time.perf_counter() - t0
     server = usage.stop()
-    merged = {k: [] for k in ("latency", "first_delta", "stop_delay", "partial_gaps", "boundary_ms", "send_lag",
-                              "start_late", "errors")}
+    merged = {k: [] for k in ("latency", "first_delta", "stop_delay", "partial_gaps", "first_update", "boundary_ms",
+                              "send_lag", "start_late", "errors")}
     counts = {k: 0 for k in ("expected", "committed", "completed", "failed", "unfinished", "missed", "extra",
                              "session_failed", "partial_updates")}
     audio_s = 0.0
@@ -815,6 +818,7 @@ def run_realtime(url: str, api_key: str, passes: list[SpeechPass], sessions: int
             "end_of_speech_to_first_delta_ms": _dist(merged["first_delta"]),
             "end_of_speech_to_speech_stopped_ms": _dist(merged["stop_delay"]),
             "partial_interval_ms": _dist(merged["partial_gaps"]), "partial_updates": counts["partial_updates"],
+            "onset_to_first_update_ms": _dist(merged["first_update"]),
             "turn_end_vs_offline_ms": _dist(merged["boundary_ms"], to_ms=1.0),
             "client_send_lag_ms": _dist(merged["send_lag"]),
             "session_start_late_ms": _dist(merged["start_late"]),
