@@ -31,6 +31,29 @@ if __name__ == "__main__":  # engine processes (--frontends, --data-parallel) sp
 """
 
 
+def ready_frontends(base: str, count: int, timeout: float, check=None) -> dict[int, int]:
+    """Front-end index -> pid, from ``/health`` (with the key) on fresh connections until ``count`` front-ends have
+    answered ready ("ok"): a connection may reach any front-end, and one still warming up answers otherwise.
+    ``check()``: True while waiting makes sense, else the failure's message."""
+    seen: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
+    while len(seen) < count:
+        ok = True if check is None else check()
+        assert ok is True, ok
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {count} front-ends " \
+                                            f"to answer /health ready (seen: {sorted(seen)})"
+        try:
+            with httpx2.Client(base_url=base, timeout=30) as fresh:
+                h = fresh.get("/health", headers={"Authorization": f"Bearer {KEY}"}).json()
+            f = h.get("frontend")
+            if f is not None and h.get("status") == "ok":
+                seen[f["index"]] = f["pid"]
+        except (httpx2.TransportError, ValueError):
+            pass
+        time.sleep(0.02)
+    return seen
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -67,19 +90,9 @@ class ServerProcess:
                     pass
                 time.sleep(0.1)
             frontends = int(extra[list(extra).index("--frontends") + 1]) if "--frontends" in extra else 1
-            ready: set[int] = set()
-            # each front-end warms up on its own: wait until every one says ok
-            while frontends > 1 and len(ready) < frontends:
-                assert self.proc.poll() is None, f"server exited: {self.output()}"
-                assert time.monotonic() < deadline, f"front-ends not all ready in time: {self.output()}"
-                try:
-                    with httpx2.Client(base_url=self.base, timeout=30) as fresh:  # a new connection: any front-end
-                        h = fresh.get("/health", headers={"Authorization": f"Bearer {KEY}"}).json()
-                    if h.get("status") == "ok" and h.get("frontend") is not None:
-                        ready.add(h["frontend"]["index"])
-                except (httpx2.TransportError, ValueError):
-                    pass
-                time.sleep(0.02)
+            if frontends > 1:  # each front-end warms up on its own: wait until every one says ok
+                ready_frontends(self.base, frontends, deadline - time.monotonic(),
+                                check=lambda: self.proc.poll() is None or f"server exited: {self.output()}")
         except BaseException:
             self.stop()
             raise

@@ -43,6 +43,7 @@ from glmasr.server.frontends import SharedCount, frontend_threads, share  # noqa
 from glmasr.workers.process import cores  # noqa: E402
 
 from conftest import noise  # noqa: E402
+from live_server import ready_frontends  # noqa: E402
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -139,21 +140,9 @@ class Frontends:
             return False
 
     def frontend_pids(self, timeout: float = 30.0) -> dict[int, int]:
-        """front-end index -> pid, from /health on fresh connections until both answered ready ("ok": the
-        fixture's wait sees only whichever front-end answers first; the other may still be warming up)."""
-        seen: dict[int, int] = {}
-
-        def both():
-            try:
-                h = self.health()
-            except (httpx2.TransportError, ValueError):
-                return False
-            f = h.get("frontend")
-            if f is not None and h.get("status") == "ok":
-                seen[f["index"]] = f["pid"]
-            return len(seen) == 2
-        wait_for(both, timeout, "both front-ends answering /health", 0.02)
-        return seen
+        """front-end index -> pid, once both answered ready on fresh connections (the fixture's wait sees only
+        whichever front-end answers first; the other may still be warming up)."""
+        return ready_frontends(self.base, 2, timeout)
 
     def metrics(self) -> str:
         return self.get("/metrics").text

@@ -739,12 +739,16 @@ class LiveSession:
         self._metric("on_forcing", result.text != forced)
 
     # ---------------------------------------------------------------- internals: partials
+    @property
+    def _hop_samples(self) -> int:
+        return round(self.settings.partial_hop_s * SAMPLE_RATE)
+
     def _maybe_draft(self) -> None:
         item = self._turn
         if not self.settings.partials or item is None or self._closed:
             return
         n = self._buf.end - item.start
-        hop = round(self.settings.partial_hop_s * SAMPLE_RATE)
+        hop = self._hop_samples
         due = max(item.next_hop, hop)
         if n < due:
             return
@@ -796,7 +800,7 @@ class LiveSession:
         agreed = agree(previous, item.last_draft, item.agreed, self._decode)
         if len(agreed) > len(item.agreed):
             if not item.agreed:  # the first words: from here a draft every hop after this one's audio
-                item.next_hop = max(item.next_hop, len(samples) + round(self.settings.partial_hop_s * SAMPLE_RATE))
+                item.next_hop = max(item.next_hop, len(samples) + self._hop_samples)
             item.agreed = agreed
             self._send(item, agreed_text(agreed, self._decode))
 

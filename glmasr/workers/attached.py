@@ -81,11 +81,6 @@ class EngineHost(WorkerPool):
         self.socket_folder, self.authkey = str(folder), bytes(authkey)
         self._start(warmup=warmup, server=True, listen=(self.socket_folder, self.authkey), pending=self.pending)
 
-    @property
-    def word_timestamps(self) -> bool:
-        """The engines load an aligner: the front-ends' clients say so (``AttachedEngineClient``)."""
-        return self.aligner is not None
-
     def endpoints(self) -> list[tuple[int, str, str]]:
         """(slot, device, socket address) of every engine: what a front-end connects to."""
         return [(w.slot, w.device, engine_address(self.socket_folder, w.slot)) for w in self._workers]

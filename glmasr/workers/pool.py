@@ -142,6 +142,11 @@ class WorkerPool:
         self._closed = False
         self._no_restarts = False
 
+    @property
+    def word_timestamps(self) -> bool:
+        """Every worker loads an aligner (``EngineClient.word_timestamps``; a supervisor's front-ends are told)."""
+        return self.aligner is not None
+
     # ---- the policy's hooks (called with _cv held) ----
     def _job_message(self, w: Worker, item, msg) -> None:
         """A message about a job ``w`` holds (``item``: what ``_hand`` got); after ``end`` it holds it no more."""

@@ -262,10 +262,6 @@ class DataParallelEngineClient(WorkerPool, EngineClient):
 
     # ---- state ----
     @property
-    def word_timestamps(self) -> bool:
-        return self.aligner is not None
-
-    @property
     def num_pending(self) -> int:
         with self._cv:
             return sum(len(w.held) for w in self._workers)
