@@ -12,8 +12,10 @@
 
 PDL (Hopper's griddepcontrol): a kernel launched with ``launch_pdl=True`` may start while the kernel before
 it in the stream is still running, as soon as every program of that kernel has executed ``pdl_begin``. The
-contract every PDL kernel here keeps: it calls ``pdl_begin`` first, then reads only data no earlier kernel
-of the step writes (weights, norm gains) until ``pdl_wait``, which blocks until the previous kernel has
+contract every PDL kernel here keeps: it calls ``pdl_begin`` first, then reads only data no kernel of the
+chain writes (weights, norm gains; and data settled before the chain began: what earlier steps or an ordinary,
+non-PDL launch ahead of the chain wrote, such as the decode step's positions, lengths and the KV cache's earlier
+positions) until ``pdl_wait``, which blocks until the previous kernel has
 finished and its writes are visible; it writes nothing before ``pdl_wait`` and every program executes
 ``pdl_wait`` (so the wait is transitive: finishing implies everything earlier finished). The gain is the
 launch latency and ramp of each small decode kernel, overlapped with the tail of the one before, and for the

@@ -197,6 +197,49 @@ __device__ __forceinline__ int rope_row(int v, int hd, int n_qk) {
     return head * hd + (j >> 1) + (j & 1) * (hd >> 1);
 }
 
+// GV_ROPE: the token's position and cache row (flags: see gemv_kernel), and the cos / sin of the column a lane
+// stores; coherent loads, volatile so that the settled form stays above the PDL wait. The position and row change
+// every step: read past L1 (.cg), so no line this SM cached in an earlier launch can be stale.
+__device__ __forceinline__ long long load_i64(const void* p, bool is64) {
+    long long v;
+    if (is64) {
+        asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(v) : "l"(p));
+    } else {
+        int w;
+        asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(w) : "l"(p));
+        v = w;
+    }
+    return v;
+}
+
+__device__ __forceinline__ float load_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+struct RopeIn {
+    long long p, crow;
+    float cs, sn;  // of the column col0 + lane (lanes below GV_R; 0 elsewhere and for padding)
+};
+
+__device__ __forceinline__ RopeIn rope_inputs(const void* pos, const void* crow, int flags, const float* cosb,
+                                              const float* sinb, int col0, int lane, int hd, int n_qk) {
+    RopeIn in;
+    in.p = load_i64(pos, flags & 1);
+    in.crow = (flags & 4) ? load_i64(crow, flags & 2) : 0;
+    in.cs = 0.0f;
+    in.sn = 0.0f;
+    const int col = col0 + lane;
+    if (lane < GV_R && col < n_qk && in.p >= 0) {
+        const int head = col / hd;
+        const long long t = in.p * (hd >> 1) + ((col - head * hd) >> 1);
+        in.cs = load_f32(cosb + t);
+        in.sn = load_f32(sinb + t);
+    }
+    return in;
+}
+
 // A row scale (int8 W): a weight like W, so it is requested before the PDL wait too (coherent load, kept
 // above the wait by volatile).
 __device__ __forceinline__ float load_scale(const float* p) {
@@ -209,7 +252,9 @@ __device__ __forceinline__ float load_scale(const float* p) {
 // K = 8 kv or (GV_Q8) int8 with K = 16 kv; y: (GV_M, n_out) bf16, row stride sy elements; half: row offset of
 // the up half (SwiGLU), else unused; scale: (rows,) fp32 (GV_Q8; else unused).
 // GV_ROPE: pos / crow the token's position and cache row (flags bit 0: pos is int64, bit 1: crow is int64,
-// bit 2: crow given, else row 0); cosb / sinb (positions, hd / 2) fp32; kc / vc (rows, n_kvh, max_len, hd) bf16
+// bit 2: crow given, else row 0; bit 3: both settled, i.e. written before the kernel ahead of this one started,
+// so they and the lane's cos / sin are read before the PDL wait); cosb / sinb (positions, hd / 2) fp32; kc / vc
+// (rows, n_kvh, max_len, hd) bf16
 // contiguous; y receives q only ((n_q,) = the first n_q columns, in the usual dim order); columns [n_q, n_qk)
 // are k, [n_qk, n_out) v.
 extern "C" __global__ void __launch_bounds__(GV_THREADS, GV_MINB)
@@ -260,9 +305,18 @@ gemv_kernel(const vec4* xv, const vec4* __restrict__ w, unsigned short* y, int n
     const float sc_u = load_scale(scale + scol + half);
 #endif
 #endif
+#if GV_ROPE
+    RopeIn rin;
+    if (flags & 8) rin = rope_inputs(pos, crow, flags, cosb, sinb, col0, lane, hd, n_qk);
+#endif
 
-    // Everything above reads only weights; x (and y's readers) belong to earlier kernels.
+    // Everything above reads only weights (and settled RoPE inputs); x (and y's readers) belong to earlier kernels.
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#if GV_ROPE
+    // unsettled: the position may come from the kernel ahead (e.g. the previous step's commit in one stream of
+    // PDL launches), so it is read after the wait
+    if (!(flags & 8)) rin = rope_inputs(pos, crow, flags, cosb, sinb, col0, lane, hd, n_qk);
+#endif
 
     float acc[GV_NW][GV_M];
 #pragma unroll
@@ -319,10 +373,8 @@ gemv_kernel(const vec4* xv, const vec4* __restrict__ w, unsigned short* y, int n
 #endif
 
 #if GV_ROPE
-    // the token's position and cache row (read after the wait: the previous step's commit wrote them)
-    const long long p = (flags & 1) ? ((const long long*)pos)[0] : (long long)((const int*)pos)[0];
-    const long long crow_v = !(flags & 4) ? 0 : (flags & 2) ? ((const long long*)crow)[0]
-                                                            : (long long)((const int*)crow)[0];
+    const long long p = rin.p;
+    const long long crow_v = rin.crow;
 #endif
 
 #pragma unroll
@@ -366,9 +418,8 @@ gemv_kernel(const vec4* xv, const vec4* __restrict__ w, unsigned short* y, int n
                     const int head = col / hd;
                     const int j = col - head * hd;
                     const int i = j >> 1;
-                    const long long t = p * (hd >> 1) + i;
-                    const float cs = round_bf16(cosb[t]);
-                    const float sn = round_bf16(sinb[t]);
+                    const float cs = round_bf16(rin.cs);  // this lane's column (lane r stores column r)
+                    const float sn = round_bf16(rin.sn);
                     const float o = (r & 1) ? round_bf16(a * cs) + round_bf16(b * sn)    // x2 c + x1 s
                                             : round_bf16(a * cs) + round_bf16(-(b * sn));  // x1 c - x2 s
                     const int d = i + (r & 1) * (hd >> 1);

@@ -213,7 +213,10 @@ class RopeAppend:
     int32/int64) gets q and k rotated (``cos``/``sin`` (max_positions, head_dim / 2) fp32 from
     ``rope.build_rope_cache``), k and v stored at that slot of cache row ``cache_rows`` (one element; None: row 0)
     of ``k_cache``/``v_cache`` (rows, n_kv_heads, max_len, head_dim) bf16 contiguous; a negative position is
-    padding (q unrotated, the cache untouched)."""
+    padding (q unrotated, the cache untouched). ``settled``: positions and cache_rows hold their values since
+    before the kernel ahead of this launch started (written by an ordinary, non-PDL launch or an earlier step), so
+    the kernel reads them, and the token's cos / sin, before its PDL wait, off the critical path; leave it False
+    when the kernel just ahead may write them."""
 
     positions: torch.Tensor
     cos: torch.Tensor
@@ -224,6 +227,7 @@ class RopeAppend:
     n_kv_heads: int
     head_dim: int
     cache_rows: torch.Tensor | None = None
+    settled: bool = False
 
 
 # ------------------------------------------------------------------------------------------------ configs
@@ -676,7 +680,7 @@ def _run(x, w, out, swiglu: bool, config: GemvConfig | None, pdl: bool | None, s
         vals[9] = rope.positions.data_ptr()
         vals[10] = rows.data_ptr() if rows is not None else 0
         vals[11] = ((rope.positions.dtype == torch.int64) | (rows is not None and rows.dtype == torch.int64) << 1
-                    | (rows is not None) << 2)
+                    | (rows is not None) << 2 | bool(rope.settled) << 3)
         vals[12] = rope.cos.data_ptr()
         vals[13] = rope.sin.data_ptr()
         vals[14] = rope.k_cache.data_ptr()

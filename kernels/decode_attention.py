@@ -22,7 +22,16 @@ Two launch modes, chosen by ``choose_num_splits(B, Hk, max_len, n_sms)`` unless 
   splits there is no second kernel: each program bumps its (sequence, kv head) counter after storing its
   partial, and the one that arrives last combines the S partials of its heads (fixed order: deterministic) and
   resets the counter.
-Both kernels launch with PDL on sm_90+ (``_triton_utils.pdl_launch``; they wait before touching anything).
+Both kernels launch with PDL on sm_90+ (``_triton_utils.pdl_launch``; they wait before touching anything,
+with one exception below).
+
+One-tile programs (``ONE_TILE_PATH`` and a split of exactly BLOCK_N positions: every split at batch 1 up to
+MAX_SPLITS * MIN_CHUNK positions) run without the loop, and without ``cache_rows`` they request their K/V tile
+before the PDL wait: positions before a sequence's last were written by earlier steps (earlier launches of the
+stream, finished before this one started), so only the last position, the one the kernel before appends, is read
+again after the wait (past L1, ``.cg``) and put in place of its early copy; positions at or past the length are
+zeroed. The result is bit-identical to the loop's with one tile at the same number of warps. With ``lengths_settled`` (lengths written before
+the kernel ahead started) the lengths are read before the wait too, so after it only q and the last K/V row are.
 """
 
 from __future__ import annotations
@@ -68,6 +77,12 @@ MIN_CHUNK = 64
 # +0.08 ms).
 COMBINE_IN_KERNEL_MAX_SPLITS = 4
 MAX_SPLITS = 32
+# Programs whose split is one BLOCK_N tile skip the loop and (without cache_rows) request that tile before the PDL
+# wait (module docstring).
+ONE_TILE_PATH = True
+# Their warps: 2 measured equal to 4 at context 64 and 8184 (loop programs there) and 0.008 / 0.018 ms per step
+# faster at 512 / 2048 (H200, batch 1, notes/measurements.md, eighteenth session); 8 slower everywhere.
+ONE_TILE_WARPS = 2
 
 
 def choose_num_splits(batch: int, n_kv_heads: int, max_len: int, n_sms: int, block_n: int = 64,
@@ -152,6 +167,30 @@ def _attend_split(Q, q_off, hmask, kbase, vbase, skn, svn, raw_length, max_len, 
 
 
 @triton.jit
+def _attend_tile(q, k, v, valid, qk_scale, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """The loop of ``_attend_split`` with exactly one tile, its K/V already loaded (rows not ``valid`` zero):
+    the same operations in the same order, so the same bits. Returns (normalised output, log-sum-exp)."""
+    if UPCAST:  # CPU interpreter, as in _attn_tile
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    qk = tl.where(valid[None, :], qk, float("-inf"))
+    m = tl.max(qk, axis=1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.math.exp2(qk - m_safe[:, None])
+    l_i = tl.sum(p, axis=1)
+    pv = p.to(v.dtype)
+    if UPCAST:
+        pv = pv.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = tl.dot(pv, v, input_precision=DOT_PREC)
+    nonempty = l_i > 0.0
+    inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
+    lse = tl.where(nonempty, m + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    return acc * inv_l[:, None], lse
+
+
+@triton.jit
 def _combine_last(OP, LSE, O, CNT, cnt_idx, n_splits, prow0, hmask, hdmask, o_ptrs,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, S_P2: tl.constexpr):
     """The in-kernel combine: the split program that finishes last for its (sequence, kv head) merges the
@@ -189,27 +228,63 @@ def _decode_attn_kernel(Q, K, V, LENS, ROWS, O, OP, LSE, CNT, max_len, chunk, n_
                         BLOCK_N: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_ROWS: tl.constexpr, NUM_STAGES: tl.constexpr,
                         DOT_PREC: tl.constexpr, STATIC_ITERS: tl.constexpr, PDL: tl.constexpr,
-                        FUSED_COMBINE: tl.constexpr = False, S_P2: tl.constexpr = 1):
+                        FUSED_COMBINE: tl.constexpr = False, S_P2: tl.constexpr = 1,
+                        ONE_TILE: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
+                        EARLY_LENS: tl.constexpr = False):
     pdl_begin(PDL)
-    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s_id = tl.program_id(2)
-    raw_length = tl.load(LENS + b).to(tl.int32)
+    start = s_id * chunk
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    n = start + tl.arange(0, BLOCK_N)
+    if EARLY_TILE:
+        # the tile's address is known before the wait: request it now (module docstring)
+        kbase = K + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+        vbase = V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+        # past L1 (.cg), as every early read here: no line this SM cached in an earlier launch can be stale
+        tmask = (n < max_len)[:, None] & dmask[None, :]
+        k_early = tl.load(kbase + n[:, None].to(tl.int64) * skn + offs_d[None, :], mask=tmask, other=0.0,
+                          cache_modifier=".cg")
+        v_early = tl.load(vbase + n[:, None].to(tl.int64) * svn + offs_d[None, :], mask=tmask, other=0.0,
+                          cache_modifier=".cg")
+    if EARLY_LENS:  # settled lengths (decode_attention's lengths_settled)
+        raw_length = tl.load(LENS + b, cache_modifier=".cg").to(tl.int32)
+    pdl_wait(PDL)
+    if not EARLY_LENS:
+        raw_length = tl.load(LENS + b).to(tl.int32)
     if HAS_ROWS:
         row = tl.load(ROWS + b).to(tl.int64)
     else:
         row = b.to(tl.int64)
-    start = s_id * chunk
     offs_h = tl.arange(0, BLOCK_H)
     hmask = offs_h < GROUP
     heads = kvh * GROUP + offs_h
     kbase = K + row * skb + kvh.to(tl.int64) * skh
     vbase = V + row * svb + kvh.to(tl.int64) * svh
-    out, lse = _attend_split(Q + b.to(tl.int64) * sqb, heads.to(tl.int64) * sqh, hmask, kbase, vbase, skn, svn,
-                             raw_length, max_len, start, chunk, qk_scale,
-                             BLOCK_H, D, BLOCK_D, BLOCK_N, NUM_STAGES, DOT_PREC, STATIC_ITERS)
-    offs_d = tl.arange(0, BLOCK_D)
+    if ONE_TILE:
+        length = tl.minimum(raw_length, max_len)
+        valid = n < length
+        vmask = valid[:, None] & dmask[None, :]
+        q = tl.load(Q + b.to(tl.int64) * sqb + heads.to(tl.int64)[:, None] * sqh + offs_d[None, :],
+                    mask=hmask[:, None] & dmask[None, :], other=0.0)
+        if not EARLY_TILE:
+            k = tl.load(kbase + n[:, None].to(tl.int64) * skn + offs_d[None, :], mask=vmask, other=0.0)
+            v = tl.load(vbase + n[:, None].to(tl.int64) * svn + offs_d[None, :], mask=vmask, other=0.0)
+        else:
+            last = length - 1  # appended by the kernel before: read again, past L1
+            lmask = dmask & (last >= start) & (last < start + BLOCK_N)
+            k_last = tl.load(kbase + last.to(tl.int64) * skn + offs_d, mask=lmask, other=0.0, cache_modifier=".cg")
+            v_last = tl.load(vbase + last.to(tl.int64) * svn + offs_d, mask=lmask, other=0.0, cache_modifier=".cg")
+            is_last = (n == last)[:, None]
+            k = tl.where(vmask, tl.where(is_last, k_last[None, :], k_early), 0.0)
+            v = tl.where(vmask, tl.where(is_last, v_last[None, :], v_early), 0.0)
+        out, lse = _attend_tile(q, k, v, valid, qk_scale, DOT_PREC, STATIC_ITERS > 0)
+    else:
+        out, lse = _attend_split(Q + b.to(tl.int64) * sqb, heads.to(tl.int64) * sqh, hmask, kbase, vbase, skn, svn,
+                                 raw_length, max_len, start, chunk, qk_scale,
+                                 BLOCK_H, D, BLOCK_D, BLOCK_N, NUM_STAGES, DOT_PREC, STATIC_ITERS)
     hdmask = hmask[:, None] & (offs_d < D)[None, :]
     o_ptrs = O + b.to(tl.int64) * sob + heads[:, None] * soh + offs_d[None, :]
     if SPLIT:
@@ -248,12 +323,15 @@ def _combine_kernel(OP, LSE, O, n_splits, sob, soh, HQ,
 
 def decode_attention(q, k_cache, v_cache, lengths, max_len: int | None = None, cache_rows=None,
                      sm_scale: float | None = None, num_splits: int | None = None, block_n: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None, out=None, counters=None):
+                     num_warps: int | None = None, num_stages: int | None = None, out=None, counters=None,
+                     lengths_settled: bool = False):
     """See the module docstring. Returns ``out`` (B, Hq, D) in q's dtype. ``counters``: an int32 tensor of zeros on
     q's device, owned by the caller and used by one stream at a time (``new_counters``): a launch of 2 to
     ``COMBINE_IN_KERNEL_MAX_SPLITS`` splits then combines in its last program per (sequence, kv head) instead of a
     second kernel (it needs B * Hk counters; splits happen below one program per SM, so the default 4096 cover any
-    batch that splits), and leaves the counters zero again."""
+    batch that splits), and leaves the counters zero again. ``lengths_settled``: ``lengths`` holds its values since
+    before the kernel ahead of this launch started (written by an ordinary, non-PDL launch or an earlier step), so
+    one-tile programs read it before their PDL wait too; leave it False when the kernel just ahead may write it."""
     check_device(q, k_cache, v_cache, lengths, cache_rows)
     B, HQ, D = q.shape
     _, HK, LBUF, DK = k_cache.shape
@@ -283,8 +361,9 @@ def decode_attention(q, k_cache, v_cache, lengths, max_len: int | None = None, c
         num_splits = choose_num_splits(B, HK, max_len, num_sms(q.device), block_n)
     chunk = cdiv(cdiv(max(max_len, 1), num_splits), block_n) * block_n
     n_splits = max(1, cdiv(max_len, chunk))
+    one_tile = ONE_TILE_PATH and chunk == block_n
     if num_warps is None:
-        num_warps = 4
+        num_warps = ONE_TILE_WARPS if one_tile else 4
     if num_stages is None:
         num_stages = 1 if interp else 3
     if q.dtype != k_cache.dtype:
@@ -296,7 +375,9 @@ def decode_attention(q, k_cache, v_cache, lengths, max_len: int | None = None, c
     ks, vs = k_cache.stride(), v_cache.stride()
     common = dict(GROUP=group, BLOCK_H=block_h, D=D, BLOCK_D=max(16, D), BLOCK_N=block_n, HAS_ROWS=cache_rows is not None,
                   NUM_STAGES=num_stages, DOT_PREC=dot_prec, num_warps=num_warps,
-                  STATIC_ITERS=cdiv(chunk, block_n) if interp else 0, **pdl_launch(q.device))
+                  STATIC_ITERS=cdiv(chunk, block_n) if interp else 0, ONE_TILE=one_tile,
+                  EARLY_TILE=one_tile and cache_rows is None,
+                  EARLY_LENS=one_tile and cache_rows is None and bool(lengths_settled), **pdl_launch(q.device))
     if n_splits == 1:
         _decode_attn_kernel[(B, HK, 1)](
             q, k_cache, v_cache, lengths, rows, out, out, out, lengths, max_len, chunk, 1, qk_scale,

@@ -125,7 +125,9 @@ def test_config_compiles_sm90_without_spills(cfg):
     # the whole first chunk of weights is requested before griddepcontrol.wait (ptxas sinks .nc loads below it);
     # int8: so are the row scales the lane stores with (gate and up for SwiGLU)
     scales = (2 if cfg.swiglu or cfg.rope else 1) if cfg.int8 else 0  # rope: the rotation partner's scale too
-    assert ldg_before_wait == cfg.weight_rows * cfg.vec + scales, (cfg.short(), ldg_before_wait)
+    # rope: the settled form's position and cache row (an int32 and an int64 load each) and the lane's cos / sin
+    settled = 6 if cfg.rope else 0
+    assert ldg_before_wait == cfg.weight_rows * cfg.vec + scales + settled, (cfg.short(), ldg_before_wait)
 
 
 @needs_nvrtc
@@ -546,8 +548,9 @@ def test_pdl_chain_in_cuda_graph():
 # tests/test_fused_decode_step.py.)
 
 
-def _rope_case(int8, pos_value, pos_dtype, row):
-    """The decoder's qkv shape (16 q + 4 k + 4 v heads of 128): fused vs the reference on cloned random caches."""
+def _rope_case(int8, pos_value, pos_dtype, row, settled=False):
+    """The decoder's qkv shape (16 q + 4 k + 4 v heads of 128): fused vs the reference on cloned random caches;
+    ``settled``: position, row and cos / sin read before the PDL wait (``RopeAppend.settled``)."""
     from glmasr_kernels.rope import build_rope_cache
 
     nq, nk, d, rows, max_len = 16, 4, 128, 3, 8192
@@ -559,7 +562,7 @@ def _rope_case(int8, pos_value, pos_dtype, row):
     pos = torch.tensor([pos_value], device="cuda", dtype=pos_dtype)
     crow = None if row is None else torch.tensor([row], device="cuda", dtype=torch.int32)
     got_k, got_v = kc.clone(), vc.clone()
-    rope = cg.RopeAppend(pos, cos, sin, got_k, got_v, nq, nk, d, crow)
+    rope = cg.RopeAppend(pos, cos, sin, got_k, got_v, nq, nk, d, crow, settled=settled)
     q = torch.full((1, nq * d), float("nan"), device="cuda", dtype=BF)
     assert cg.gemv_qkv_rope(x, w, rope, out=q, scale=sc) is q
     torch.cuda.synchronize()
@@ -576,11 +579,12 @@ def _close_rotated(o, ref):
 
 
 @gpu
+@pytest.mark.parametrize("settled", [False, True])
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("pos_value,pos_dtype,row", [(0, torch.int64, None), (777, torch.int32, 2),
                                                       (8191, torch.int64, 1)])
-def test_qkv_rope_append(int8, pos_value, pos_dtype, row):
-    q, want_q, got, want, before, p, r = _rope_case(int8, pos_value, pos_dtype, row)
+def test_qkv_rope_append(int8, pos_value, pos_dtype, row, settled):
+    q, want_q, got, want, before, p, r = _rope_case(int8, pos_value, pos_dtype, row, settled)
     _close_rotated(q, want_q)
     for g, wnt, b in zip(got, want, before):
         # only slot p of row r changed, and it holds the rotated k / the v of this token
@@ -592,8 +596,9 @@ def test_qkv_rope_append(int8, pos_value, pos_dtype, row):
 
 
 @gpu
-def test_qkv_rope_negative_position_is_padding():
-    q, want_q, got, want, before, _, _ = _rope_case(False, -1, torch.int64, None)
+@pytest.mark.parametrize("settled", [False, True])
+def test_qkv_rope_negative_position_is_padding(settled):
+    q, want_q, got, want, before, _, _ = _rope_case(False, -1, torch.int64, None, settled)
     _close_rotated(q, want_q)  # unrotated q (rope_and_append leaves padding tokens alone)
     for g, b in zip(got, before):
         assert torch.equal(g, b), "a padding token wrote the cache"

@@ -373,6 +373,113 @@ def test_decode_attention_counters_are_checked():
     close(decode_attention(q, kc, vc, lens, 200, num_splits=1, counters=new_counters(DEV, 5)), ref, torch.float32)
 
 
+def _one_tile_launches(monkeypatch):
+    """Spy on the attention kernel's launches: the ONE_TILE flag of each."""
+    from glmasr_kernels import decode_attention as da
+
+    flags = []
+    real = da._decode_attn_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                flags.append(kwargs["ONE_TILE"])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(da, "_decode_attn_kernel", Spy())
+    return flags
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_decode_attention_one_tile_path_equals_the_loop(dtype, with_rows, monkeypatch):
+    """Programs whose split is one tile skip the loop (and, without cache_rows, load their tile before the PDL
+    wait): bit-identical to the loop's one iteration at the same warps (fp32's FMA dot sums in a layout that
+    depends on them), single pass and split, zero-length sequences 0, and cache positions at or past each length
+    poisoned with NaN (the early tile reads them; they must be zeroed). At its own warps (ONE_TILE_WARPS) the
+    path is checked against the reference."""
+    from glmasr_kernels import decode_attention as da
+
+    flags = _one_tile_launches(monkeypatch)
+    tile = 64 if DEV == "cuda" else 16
+    B, HQ, HK, D = 4, 8, 2, 32
+    for L, ns, lengths in ((tile, 1, [tile, 1, 0, 9]), (4 * tile, 4, [4 * tile, 3 * tile + 5, 0, 1]),
+                           (4 * tile, 4, [tile, tile + 1, 2 * tile - 1, 7])):
+        q, kc, vc, lens = _attn_inputs(B, HQ, HK, D, L + 8, dtype, seed=80 + L + lengths[-1], lengths=lengths)
+        rows = torch.tensor([3, 0, 4, 1], device=DEV) if with_rows else None
+        for b, n in enumerate(lengths):
+            r = b if rows is None else int(rows[b])
+            kc[r, :, n:] = float("nan")
+            vc[r, :, n:] = float("nan")
+        # the reference multiplies the masked positions by 0: its copy of the poison must be finite
+        ref = decode_attention_ref(q, kc.nan_to_num(), vc.nan_to_num(), lens, L, cache_rows=rows)
+        outs = []
+        for one_tile, settled, warps in ((True, False, 4), (True, True, 4), (False, False, 4), (True, True, None)):
+            monkeypatch.setattr(da, "ONE_TILE_PATH", one_tile)
+            flags.clear()
+            out = torch.full((B, HQ, D), float("nan"), device=DEV, dtype=dtype)
+            decode_attention(q, kc, vc, lens, L, cache_rows=rows, num_splits=ns, block_n=tile, out=out,
+                             lengths_settled=settled, num_warps=warps)
+            assert flags == [one_tile], flags
+            outs.append(out)
+            close(out, ref, dtype)
+            if lengths[2] == 0:
+                assert torch.equal(out[2], torch.zeros_like(out[2]))
+        assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2]), (L, ns, lengths)
+    # a split of more than one tile keeps the loop
+    flags.clear()
+    q, kc, vc, lens = _attn_inputs(1, HQ, HK, D, 4 * tile, dtype, seed=99, lengths=[4 * tile])
+    out = decode_attention(q, kc, vc, lens, 4 * tile, num_splits=2, block_n=tile)
+    assert flags == [False]
+    close(out, decode_attention_ref(q, kc, vc, lens, 4 * tile), dtype)
+
+
+@gpu_only
+def test_decode_attention_early_tile_sees_the_append_in_a_pdl_graph():
+    """The one-tile path requests its tile before the PDL wait while the kernel before it (here rope_and_append,
+    as the decode step's qkv GEMV does) is still storing the last position: that position must be read again after
+    the wait. Its slot holds NaN before every replay, so an early copy that slipped through gives NaN."""
+    from glmasr_kernels._triton_utils import pdl_enabled
+
+    torch.manual_seed(7)
+    B, HQ, HK, D, L = 1, 16, 4, 128, 64
+    dt = torch.bfloat16
+    cos, sin = build_rope_cache(D, 256, device=DEV)
+    kc = torch.randn(B, HK, L, D, device=DEV, dtype=dt)
+    vc = torch.randn(B, HK, L, D, device=DEV, dtype=dt)
+    q = torch.randn(B, 1, HQ, D, device=DEV, dtype=dt)
+    k = torch.randn(B, 1, HK, D, device=DEV, dtype=dt)
+    v = torch.randn(B, 1, HK, D, device=DEV, dtype=dt)
+    out = torch.empty(B, HQ, D, device=DEV, dtype=dt)
+    for n in (L, 40, 1):
+        pos = torch.full((B, 1), n - 1, device=DEV, dtype=torch.int64)
+        lens = pos[:, 0].to(torch.int32) + 1
+        qs = q.clone()
+
+        for settled in (False, True):  # lens is written before the graph: settled either way
+            def step():
+                qs.copy_(q)
+                rope_and_append(qs, k.clone(), v, pos, cos, sin, kc, vc)
+                decode_attention(qs[:, 0], kc, vc, lens, L, out=out, lengths_settled=settled)
+
+            step()
+            torch.cuda.synchronize()
+            ref = decode_attention_ref(qs[:, 0], kc, vc, lens, L).to(dt)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            for _ in range(20):
+                kc[:, :, n - 1] = float("nan")
+                vc[:, :, n - 1] = float("nan")
+                out.fill_(float("nan"))
+                graph.replay()
+                torch.cuda.synchronize()
+                assert not out.isnan().any(), (n, settled)
+                close(out, ref, dt)
+    assert pdl_enabled(torch.device(DEV))
+
+
 def test_choose_num_splits():
     assert choose_num_splits(64, 4, 4096, 132) >= 1
     assert choose_num_splits(1, 4, 8192, 132) > 8

@@ -206,14 +206,19 @@ class ModelRunner:
         if not pieces:
             return self.model.encode_audio(features)
         if len(pieces) == 1:
-            return self._encode_graphed(features)
-        out, a = [], 0
+            return self._encode_graphed(features).clone()
+        out, a = None, 0
         for n in pieces:
-            out.append(self._encode_graphed(features[a: a + n]))
+            piece = self._encode_graphed(features[a: a + n])
+            if out is None:
+                out = piece.new_empty((w, *piece.shape[1:]))
+            out[a: a + n].copy_(piece)  # each piece straight from its graph's output into the whole
             a += n
-        return torch.cat(out)
+        return out
 
     def _encode_graphed(self, features: torch.Tensor) -> torch.Tensor:
+        """Replays the graph of ``features``' window count; returns its static output (the next replay
+        overwrites it: copy before that)."""
         w = features.shape[0]
         entry = self._encoder_graphs.get(w)
         if entry is None:
@@ -227,7 +232,7 @@ class ModelRunner:
         graph, static_in, static_out = entry
         static_in.copy_(features)
         graph.replay()
-        return static_out.clone()
+        return static_out
 
     # ---- KV capacity ----
     def ensure_capacity(self, need: int) -> None:

@@ -73,6 +73,12 @@ CUDA_GEMV_INT8_SHAPES: frozenset[tuple[int, int, int, bool]] = CUDA_GEMV_SHAPES
 # to +0.025 ms across contexts), so int8 keeps the separate RoPE kernel.
 QKV_ROPE_WEIGHTS: frozenset[str] = frozenset({"bf16"})
 
+# A decode step's positions are written by the previous step's commit and its lengths by an ordinary (non-PDL)
+# launch before the first layer, so they are settled before any of the layers' PDL kernels starts: the qkv GEMV's
+# RoPE epilogue and decode attention's one-tile programs read them before their PDL wait
+# (``cuda_gemv.RopeAppend.settled``, ``decode_attention(lengths_settled=)``), off each layer's critical path.
+SETTLED_INPUTS_EARLY = True
+
 
 def _cuda_gemv_takes(x: torch.Tensor, w: torch.Tensor, scale, swiglu: bool) -> bool:
     return _cuda_gemv_routes(w, scale, x.numel() // x.shape[-1], swiglu, x.device)
@@ -196,14 +202,14 @@ class KernelDecoder:
         int8 = self.decode_weights == "int8" and not prefill and (invariant or b <= INT8_MAX_ROWS)
         rope_in_qkv = b * t == 1 and not invariant and self._rope_in_qkv(embeds, int8)
         residual = embeds
+        lengths = positions[:, 0] + 1 if not prefill else None  # an ordinary launch: settled (SETTLED_INPUTS_EARLY)
         h = rms_norm(embeds, self.layers[0].ln1, eps)
-        lengths = positions[:, 0] + 1 if not prefill else None
         linear, linear_swiglu = self._linears(prefill, invariant)
         for i, lw in enumerate(self.layers):
             (w_qkv, s_qkv), (w_o, s_o), (w_gate_up, s_gate_up), (w_down, s_down) = self._matrices(lw, int8)
             if rope_in_qkv:
                 rope = cuda_gemv.RopeAppend(positions.reshape(1), self.cos, self.sin, cache.k[i], cache.v[i], nq, nk,
-                                            d, None if rows is None else rows.reshape(1))
+                                            d, None if rows is None else rows.reshape(1), settled=SETTLED_INPUTS_EARLY)
                 q = cuda_gemv.gemv_qkv_rope(h, w_qkv, rope, scale=s_qkv).view(b, t, nq, d)
             else:
                 qkv = linear(h, w_qkv, scale=s_qkv)
@@ -219,7 +225,8 @@ class KernelDecoder:
             else:
                 attn = decode_attention(q[:, 0], cache.k[i], cache.v[i], lengths, max_len=kv_len, cache_rows=rows,
                                         sm_scale=d ** -0.5, num_splits=1 if invariant else None,
-                                        counters=self.attn_counters).reshape(b, 1, nq * d)
+                                        counters=self.attn_counters,
+                                        lengths_settled=SETTLED_INPUTS_EARLY).reshape(b, 1, nq * d)
             h, residual = rms_norm(linear(attn, w_o, scale=s_o), lw.ln2, eps, residual=residual)
             mlp = linear(linear_swiglu(h, w_gate_up, scale=s_gate_up), w_down, scale=s_down)
             nxt = self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.final_norm

@@ -3,14 +3,18 @@ for the decode GEMVs on Triton (``fast_decoder.CUDA_GEMV_SHAPES`` emptied) or on
 in its own kernel or in the qkv CUDA GEMV (``fast_decoder.QKV_ROPE_WEIGHTS``), and decode attention's split
 partials combined by a second kernel or in-kernel (the decoder's ``attn_counters`` set to None or not).
 ``--probe``: two more rows, timing probes with wrong results (graphs only, no clip): the shipped step with its
-RMSNorm launches skipped, and with its decode attention launches skipped (what each family costs at most). Each
+RMSNorm launches skipped, and with its decode attention launches skipped (what each family costs at most).
+``--attention``: the forms of decode attention and of the settled inputs: positions and lengths read after the
+PDL waits (``fast_decoder.SETTLED_INPUTS_EARLY`` off), that and the loop for every split
+(``decode_attention.ONE_TILE_PATH`` off: the step before both), and the shipped form with every attention
+program at 2 warps (the loop's too; one-tile programs have ``ONE_TILE_WARPS``). Each
 variant has its own runner, whose graphs are captured under that variant's settings; the variants are timed in
 interleaved rounds (``--rounds``, each a median of 10 calls of 8 steps) and each figure is the median over the
 rounds, so slow drifts of the clock hit every variant alike. Then the 3.5 s clip end to end (13 tokens) per
 variant.
 
     python -m scripts.bench.decode_variants [--model FOLDER] [--contexts 64,512,2048,8184] [--rounds 3]
-        [--json FILE] [--int8] [--triton] [--probe]
+        [--json FILE] [--int8] [--triton] [--probe] [--attention]
 
 ``--int8``: the int8 decode weights too (``load(decode_weights="int8")``, a second model in the same process);
 ``--triton``: one more row, the Triton GEMVs.
@@ -36,11 +40,16 @@ def main(argv=None) -> int:
     p.add_argument("--triton", action="store_true", help="also the Triton GEMVs")
     p.add_argument("--probe", action="store_true",
                    help="also the step without its RMSNorm / decode attention launches (timing only)")
+    p.add_argument("--attention", action="store_true",
+                   help="also the step without the one-tile attention path / the settled inputs, and at 2 warps")
     args = p.parse_args(argv)
 
     import torch
 
+    import functools
+
     import glmasr
+    from glmasr_kernels import decode_attention as attention_kernels
     from glmasr.checkpoint.random_weights import ensure_full_size_checkpoint
     from glmasr.models import fast_decoder
     from scripts.benchmark import decode_round, decode_runner, fill_decode_state, sync_time
@@ -68,13 +77,25 @@ def main(argv=None) -> int:
     def skip_attention(q, *args, **kwargs):
         return q
 
-    # probe runs: fast_decoder functions replaced while their graphs are captured (and only then)
-    probes = {}
+    # fast_decoder functions replaced while a run's graphs are captured (and only then); probes give wrong results
+    overrides, probes, loop_attention, late_inputs = {}, set(), set(), set()
     if args.probe:
         for attr, fn in (("rms_norm", skip_norm), ("decode_attention", skip_attention)):
             name = f"PROBE no {attr}: cuda GEMVs, rope in qkv, in-kernel combine (wrong results)"
-            probes[name] = {attr: fn}
+            overrides[name] = {attr: fn}
+            probes.add(name)
             runs.append((name, table, every, True, asr))
+    if args.attention:
+        name = "cuda GEMVs, rope in qkv, in-kernel combine, inputs after the waits"
+        late_inputs.add(name)
+        runs.append((name, table, every, True, asr))
+        name = "cuda GEMVs, rope in qkv, in-kernel combine, inputs after the waits, attention loop for every split"
+        late_inputs.add(name)
+        loop_attention.add(name)
+        runs.append((name, table, every, True, asr))
+        name = "cuda GEMVs, rope in qkv, in-kernel combine, every attention program at 2 warps"
+        overrides[name] = {"decode_attention": functools.partial(real["decode_attention"], num_warps=2)}
+        runs.append((name, table, every, True, asr))
     if int8_asr is not None:
         counters[id(int8_asr)] = int8_asr.model.decoder.attn_counters
         runs += [("int8, separate rope, separate combine", table, none, False, int8_asr),
@@ -83,7 +104,9 @@ def main(argv=None) -> int:
 
     def use(table, rope, combine, handle, name=""):
         for attr, fn in real.items():
-            setattr(fast_decoder, attr, probes.get(name, {}).get(attr, fn))
+            setattr(fast_decoder, attr, overrides.get(name, {}).get(attr, fn))
+        attention_kernels.ONE_TILE_PATH = name not in loop_attention
+        fast_decoder.SETTLED_INPUTS_EARLY = name not in late_inputs
         fast_decoder.CUDA_GEMV_SHAPES, fast_decoder.QKV_ROPE_WEIGHTS = table, rope
         handle.model.decoder.attn_counters = counters[id(handle)] if combine else None
 
@@ -114,7 +137,7 @@ def main(argv=None) -> int:
     for name, table_, rope, combine, handle in runs:
         if name in probes:
             continue
-        use(table_, rope, combine, handle)
+        use(table_, rope, combine, handle, name)
         handle.engine.runner.drop_graphs()
         for _ in range(3):  # captures, then steady state
             glmasr.transcribe(clip, model=handle, sampling_rate=16000, max_new_tokens=13, ignore_eos=True)
@@ -128,6 +151,8 @@ def main(argv=None) -> int:
         latency[name] = round(sorted(walls)[len(walls) // 2], 2)
         print(f"3.5 s clip, 13 tokens, {name}: {latency[name]} ms (median of 10)", flush=True)
     fast_decoder.CUDA_GEMV_SHAPES, fast_decoder.QKV_ROPE_WEIGHTS = shipped
+    attention_kernels.ONE_TILE_PATH = True
+    fast_decoder.SETTLED_INPUTS_EARLY = True
     for attr, fn in real.items():
         setattr(fast_decoder, attr, fn)
     for handle in {id(h): h for *_, h in runs}.values():
