@@ -7,14 +7,16 @@ RMSNorm launches skipped, and with its decode attention launches skipped (what e
 ``--attention``: the forms of decode attention and of the settled inputs: positions and lengths read after the
 PDL waits (``fast_decoder.SETTLED_INPUTS_EARLY`` off), that and the loop for every split
 (``decode_attention.ONE_TILE_PATH`` off: the step before both), and the shipped form with every attention
-program at 2 warps (the loop's too; one-tile programs have ``ONE_TILE_WARPS``). Each
+program at 2 warps (the loop's too; one-tile programs have ``ONE_TILE_WARPS``).
+``--kv-buckets``: the shipped step with the decode graphs' smallest KV bucket at 64 and at 128 positions instead of
+``model_runner.MIN_KV_BUCKET`` (fewer, or no, empty attention splits at short contexts; more graphs to capture). Each
 variant has its own runner, whose graphs are captured under that variant's settings; the variants are timed in
 interleaved rounds (``--rounds``, each a median of 10 calls of 8 steps) and each figure is the median over the
 rounds, so slow drifts of the clock hit every variant alike. Then the 3.5 s clip end to end (13 tokens) per
 variant.
 
     python -m scripts.bench.decode_variants [--model FOLDER] [--contexts 64,512,2048,8184] [--rounds 3]
-        [--json FILE] [--int8] [--triton] [--probe] [--attention]
+        [--json FILE] [--int8] [--triton] [--probe] [--attention] [--kv-buckets]
 
 ``--int8``: the int8 decode weights too (``load(decode_weights="int8")``, a second model in the same process);
 ``--triton``: one more row, the Triton GEMVs.
@@ -42,6 +44,7 @@ def main(argv=None) -> int:
                    help="also the step without its RMSNorm / decode attention launches (timing only)")
     p.add_argument("--attention", action="store_true",
                    help="also the step without the one-tile attention path / the settled inputs, and at 2 warps")
+    p.add_argument("--kv-buckets", action="store_true", help="also the smallest KV bucket at 64 and at 128")
     args = p.parse_args(argv)
 
     import torch
@@ -51,6 +54,7 @@ def main(argv=None) -> int:
     import glmasr
     from glmasr_kernels import decode_attention as attention_kernels
     from glmasr.checkpoint.random_weights import ensure_full_size_checkpoint
+    from glmasr.engine import model_runner
     from glmasr.models import fast_decoder
     from scripts.benchmark import decode_round, decode_runner, fill_decode_state, sync_time
     from scripts.bench.workloads import noise_clip
@@ -78,7 +82,8 @@ def main(argv=None) -> int:
         return q
 
     # fast_decoder functions replaced while a run's graphs are captured (and only then); probes give wrong results
-    overrides, probes, loop_attention, late_inputs = {}, set(), set(), set()
+    overrides, probes, loop_attention, late_inputs, min_kv = {}, set(), set(), set(), {}
+    shipped_min_kv = model_runner.MIN_KV_BUCKET
     if args.probe:
         for attr, fn in (("rms_norm", skip_norm), ("decode_attention", skip_attention)):
             name = f"PROBE no {attr}: cuda GEMVs, rope in qkv, in-kernel combine (wrong results)"
@@ -96,6 +101,11 @@ def main(argv=None) -> int:
         name = "cuda GEMVs, rope in qkv, in-kernel combine, every attention program at 2 warps"
         overrides[name] = {"decode_attention": functools.partial(real["decode_attention"], num_warps=2)}
         runs.append((name, table, every, True, asr))
+    if args.kv_buckets:
+        for smallest in (64, 128):
+            name = f"cuda GEMVs, rope in qkv, in-kernel combine, KV buckets from {smallest}"
+            min_kv[name] = smallest
+            runs.append((name, table, every, True, asr))
     if int8_asr is not None:
         counters[id(int8_asr)] = int8_asr.model.decoder.attn_counters
         runs += [("int8, separate rope, separate combine", table, none, False, int8_asr),
@@ -107,6 +117,7 @@ def main(argv=None) -> int:
             setattr(fast_decoder, attr, overrides.get(name, {}).get(attr, fn))
         attention_kernels.ONE_TILE_PATH = name not in loop_attention
         fast_decoder.SETTLED_INPUTS_EARLY = name not in late_inputs
+        model_runner.MIN_KV_BUCKET = min_kv.get(name, shipped_min_kv)
         fast_decoder.CUDA_GEMV_SHAPES, fast_decoder.QKV_ROPE_WEIGHTS = table, rope
         handle.model.decoder.attn_counters = counters[id(handle)] if combine else None
 
@@ -153,6 +164,7 @@ def main(argv=None) -> int:
     fast_decoder.CUDA_GEMV_SHAPES, fast_decoder.QKV_ROPE_WEIGHTS = shipped
     attention_kernels.ONE_TILE_PATH = True
     fast_decoder.SETTLED_INPUTS_EARLY = True
+    model_runner.MIN_KV_BUCKET = shipped_min_kv
     for attr, fn in real.items():
         setattr(fast_decoder, attr, fn)
     for handle in {id(h): h for *_, h in runs}.values():
