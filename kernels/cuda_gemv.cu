@@ -212,9 +212,11 @@ __device__ __forceinline__ long long load_i64(const void* p, bool is64) {
     return v;
 }
 
-__device__ __forceinline__ float load_f32(const float* p) {
+// An fp32 value that no kernel of the chain writes (an int8 row scale, a RoPE cos / sin), requested before the PDL
+// wait like the weights (coherent load, kept above the wait by volatile).
+__device__ __forceinline__ float load_f32_early(const float* p) {
     float v;
-    asm volatile("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    asm volatile("ld.global.L1::no_allocate.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
 
@@ -234,19 +236,12 @@ __device__ __forceinline__ RopeIn rope_inputs(const void* pos, const void* crow,
     if (lane < GV_R && col < n_qk && in.p >= 0) {
         const int head = col / hd;
         const long long t = in.p * (hd >> 1) + ((col - head * hd) >> 1);
-        in.cs = load_f32(cosb + t);
-        in.sn = load_f32(sinb + t);
+        in.cs = load_f32_early(cosb + t);
+        in.sn = load_f32_early(sinb + t);
     }
     return in;
 }
 
-// A row scale (int8 W): a weight like W, so it is requested before the PDL wait too (coherent load, kept
-// above the wait by volatile).
-__device__ __forceinline__ float load_scale(const float* p) {
-    float v;
-    asm volatile("ld.global.L1::no_allocate.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
 
 // x: (GV_M, K) bf16, row stride sxv 8-element vectors (16-byte aligned); w: (rows, K) contiguous, bf16 with
 // K = 8 kv or (GV_Q8) int8 with K = 16 kv; y: (GV_M, n_out) bf16, row stride sy elements; half: row offset of
@@ -296,13 +291,13 @@ gemv_kernel(const vec4* xv, const vec4* __restrict__ w, unsigned short* y, int n
     const int scol = min(col0 + min(lane / GV_M, GV_R - 1), n_out - 1);
 #if GV_ROPE
     // rows in rope order; the partner column (lane ^ 1) of the rotation pair too
-    const float sc_g = load_scale(scale + rope_row(scol, hd, n_qk));
-    const float sc_p = load_scale(scale + rope_row(min(col0 + min(lane ^ 1, GV_R - 1), n_out - 1), hd, n_qk));
+    const float sc_g = load_f32_early(scale + rope_row(scol, hd, n_qk));
+    const float sc_p = load_f32_early(scale + rope_row(min(col0 + min(lane ^ 1, GV_R - 1), n_out - 1), hd, n_qk));
 #else
-    const float sc_g = load_scale(scale + scol);
+    const float sc_g = load_f32_early(scale + scol);
 #endif
 #if GV_SWIGLU
-    const float sc_u = load_scale(scale + scol + half);
+    const float sc_u = load_f32_early(scale + scol + half);
 #endif
 #endif
 #if GV_ROPE

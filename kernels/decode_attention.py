@@ -30,8 +30,9 @@ MAX_SPLITS * MIN_CHUNK positions) run without the loop, and without ``cache_rows
 before the PDL wait: positions before a sequence's last were written by earlier steps (earlier launches of the
 stream, finished before this one started), so only the last position, the one the kernel before appends, is read
 again after the wait (past L1, ``.cg``) and put in place of its early copy; positions at or past the length are
-zeroed. The result is bit-identical to the loop's with one tile at the same number of warps. With ``lengths_settled`` (lengths written before
-the kernel ahead started) the lengths are read before the wait too, so after it only q and the last K/V row are.
+zeroed. The result is bit-identical to the loop's with one tile at the same number of warps. With
+``lengths_settled`` (lengths written before the kernel ahead started) the lengths are read before the wait too, so
+after it only q and the last K/V row are.
 """
 
 from __future__ import annotations
@@ -105,28 +106,50 @@ def new_counters(device, n: int = 4096) -> torch.Tensor:
 
 
 @triton.jit
-def _attn_tile(q, kbase, vbase, n, end, skn, svn, offs_d, dmask, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr,
-               UPCAST: tl.constexpr):
-    """One BLOCK_N tile of K/V: online-softmax update of (m_i, l_i, acc) for the BLOCK_H query rows."""
-    nmask = n < end
-    k = tl.load(kbase + n[:, None].to(tl.int64) * skn + offs_d[None, :], mask=nmask[:, None] & dmask[None, :],
-                other=0.0)
+def _tile_probs(q, k, nmask, m_i, qk_scale, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """A tile's scores against the running max m_i: (new max, its finite stand-in, exp2 probabilities); masked
+    positions get probability 0."""
     if UPCAST:  # CPU interpreter: its tl.dot mishandles bf16 operands, so feed it fp32 copies
         k = k.to(tl.float32)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     qk = tl.where(nmask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked tile with nothing seen yet
-    alpha = tl.math.exp2(m_i - m_safe)
-    p = tl.math.exp2(qk - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(vbase + n[:, None].to(tl.int64) * svn + offs_d[None, :], mask=nmask[:, None] & dmask[None, :],
-                other=0.0)
+    return m_new, m_safe, tl.math.exp2(qk - m_safe[:, None])
+
+
+@triton.jit
+def _tile_pv(p, v, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """P @ V with P rounded to V's dtype first (as flash attention does)."""
     pv = p.to(v.dtype)
     if UPCAST:
         pv = pv.to(tl.float32)
         v = v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
+    return tl.dot(pv, v, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _normalised(acc, m_i, l_i):
+    """(acc / l_i, log-sum-exp in the log2 domain); an empty row (l_i 0) gives (0, -inf)."""
+    nonempty = l_i > 0.0
+    inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
+    lse = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    return acc * inv_l[:, None], lse
+
+
+@triton.jit
+def _attn_tile(q, kbase, vbase, n, end, skn, svn, offs_d, dmask, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """One BLOCK_N tile of K/V: online-softmax update of (m_i, l_i, acc) for the BLOCK_H query rows."""
+    nmask = n < end
+    k = tl.load(kbase + n[:, None].to(tl.int64) * skn + offs_d[None, :], mask=nmask[:, None] & dmask[None, :],
+                other=0.0)
+    m_new, m_safe, p = _tile_probs(q, k, nmask, m_i, qk_scale, DOT_PREC, UPCAST)
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(vbase + n[:, None].to(tl.int64) * svn + offs_d[None, :], mask=nmask[:, None] & dmask[None, :],
+                other=0.0)
+    acc = acc * alpha[:, None] + _tile_pv(p, v, DOT_PREC, UPCAST)
     return m_new, l_i, acc
 
 
@@ -152,7 +175,7 @@ def _attend_split(Q, q_off, hmask, kbase, vbase, skn, svn, raw_length, max_len, 
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     if STATIC_ITERS > 0:
         # Triton's CPU interpreter (with numpy >= 2.4) cannot run loops with run-time bounds: fixed trip count,
-        # masked tiles (fully-masked tiles are no-ops thanks to the guards in _attn_tile).
+        # masked tiles (fully-masked tiles are no-ops thanks to the guards in _tile_probs).
         for it in range(STATIC_ITERS):
             m_i, l_i, acc = _attn_tile(q, kbase, vbase, start + it * BLOCK_N + offs_n, end, skn, svn, offs_d, dmask,
                                        m_i, l_i, acc, qk_scale, DOT_PREC, STATIC_ITERS > 0)
@@ -160,34 +183,17 @@ def _attend_split(Q, q_off, hmask, kbase, vbase, skn, svn, raw_length, max_len, 
         for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
             m_i, l_i, acc = _attn_tile(q, kbase, vbase, n0 + offs_n, end, skn, svn, offs_d, dmask,
                                        m_i, l_i, acc, qk_scale, DOT_PREC, STATIC_ITERS > 0)
-    nonempty = l_i > 0.0
-    inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
-    lse = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    return acc * inv_l[:, None], lse
+    return _normalised(acc, m_i, l_i)
 
 
 @triton.jit
-def _attend_tile(q, k, v, valid, qk_scale, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """The loop of ``_attend_split`` with exactly one tile, its K/V already loaded (rows not ``valid`` zero):
-    the same operations in the same order, so the same bits. Returns (normalised output, log-sum-exp)."""
-    if UPCAST:  # CPU interpreter, as in _attn_tile
+def _attend_tile(q, k, v, valid, qk_scale, BLOCK_H: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """``_attend_split`` with exactly one tile, its K/V already loaded (rows not ``valid`` zero): the loop's
+    operations in the same order, so the same bits. Returns (normalised output, log-sum-exp)."""
+    if UPCAST:  # CPU interpreter, as in _attend_split
         q = q.to(tl.float32)
-        k = k.to(tl.float32)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-    qk = tl.where(valid[None, :], qk, float("-inf"))
-    m = tl.max(qk, axis=1)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    p = tl.math.exp2(qk - m_safe[:, None])
-    l_i = tl.sum(p, axis=1)
-    pv = p.to(v.dtype)
-    if UPCAST:
-        pv = pv.to(tl.float32)
-        v = v.to(tl.float32)
-    acc = tl.dot(pv, v, input_precision=DOT_PREC)
-    nonempty = l_i > 0.0
-    inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
-    lse = tl.where(nonempty, m + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    return acc * inv_l[:, None], lse
+    m, _, p = _tile_probs(q, k, valid, tl.full([BLOCK_H], float("-inf"), tl.float32), qk_scale, DOT_PREC, UPCAST)
+    return _normalised(_tile_pv(p, v, DOT_PREC, UPCAST), m, tl.sum(p, axis=1))
 
 
 @triton.jit
@@ -280,7 +286,7 @@ def _decode_attn_kernel(Q, K, V, LENS, ROWS, O, OP, LSE, CNT, max_len, chunk, n_
             is_last = (n == last)[:, None]
             k = tl.where(vmask, tl.where(is_last, k_last[None, :], k_early), 0.0)
             v = tl.where(vmask, tl.where(is_last, v_last[None, :], v_early), 0.0)
-        out, lse = _attend_tile(q, k, v, valid, qk_scale, DOT_PREC, STATIC_ITERS > 0)
+        out, lse = _attend_tile(q, k, v, valid, qk_scale, BLOCK_H, DOT_PREC, STATIC_ITERS > 0)
     else:
         out, lse = _attend_split(Q + b.to(tl.int64) * sqb, heads.to(tl.int64) * sqh, hmask, kbase, vbase, skn, svn,
                                  raw_length, max_len, start, chunk, qk_scale,

@@ -334,19 +334,29 @@ def test_decode_attention_in_kernel_combine(dtype, num_splits, monkeypatch):
         assert not counters.any(), "the last program of each (sequence, kv head) resets its counter"
 
 
+def _spy_launches(monkeypatch, name: str) -> list:
+    """Record every launch of decode_attention's kernel ``name`` as (grid, keyword arguments); it still runs."""
+    from glmasr_kernels import decode_attention as da
+
+    calls = []
+    real = getattr(da, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append((grid, kwargs))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(da, name, Spy())
+    return calls
+
+
 def test_decode_attention_in_kernel_combine_only_for_few_splits(monkeypatch):
     """More splits than COMBINE_IN_KERNEL_MAX_SPLITS go to the combine kernel (the counters stay unused)."""
     from glmasr_kernels import decode_attention as da
 
-    calls = []
-    real = da._combine_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(da, "_combine_kernel", Spy())
+    calls = _spy_launches(monkeypatch, "_combine_kernel")
     q, kc, vc, lens = _attn_inputs(2, 4, 2, 16, 400, torch.float32, seed=71, lengths=[400, 99])
     counters = da.new_counters(DEV, 8)
     ref = decode_attention_ref(q, kc, vc, lens, 400)
@@ -373,24 +383,6 @@ def test_decode_attention_counters_are_checked():
     close(decode_attention(q, kc, vc, lens, 200, num_splits=1, counters=new_counters(DEV, 5)), ref, torch.float32)
 
 
-def _one_tile_launches(monkeypatch):
-    """Spy on the attention kernel's launches: the ONE_TILE flag of each."""
-    from glmasr_kernels import decode_attention as da
-
-    flags = []
-    real = da._decode_attn_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                flags.append(kwargs["ONE_TILE"])
-                return real[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(da, "_decode_attn_kernel", Spy())
-    return flags
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_rows", [False, True])
 def test_decode_attention_one_tile_path_equals_the_loop(dtype, with_rows, monkeypatch):
@@ -401,7 +393,7 @@ def test_decode_attention_one_tile_path_equals_the_loop(dtype, with_rows, monkey
     path is checked against the reference."""
     from glmasr_kernels import decode_attention as da
 
-    flags = _one_tile_launches(monkeypatch)
+    launches = _spy_launches(monkeypatch, "_decode_attn_kernel")
     tile = 64 if DEV == "cuda" else 16
     B, HQ, HK, D = 4, 8, 2, 32
     for L, ns, lengths in ((tile, 1, [tile, 1, 0, 9]), (4 * tile, 4, [4 * tile, 3 * tile + 5, 0, 1]),
@@ -417,21 +409,21 @@ def test_decode_attention_one_tile_path_equals_the_loop(dtype, with_rows, monkey
         outs = []
         for one_tile, settled, warps in ((True, False, 4), (True, True, 4), (False, False, 4), (True, True, None)):
             monkeypatch.setattr(da, "ONE_TILE_PATH", one_tile)
-            flags.clear()
+            launches.clear()
             out = torch.full((B, HQ, D), float("nan"), device=DEV, dtype=dtype)
             decode_attention(q, kc, vc, lens, L, cache_rows=rows, num_splits=ns, block_n=tile, out=out,
                              lengths_settled=settled, num_warps=warps)
-            assert flags == [one_tile], flags
+            assert [kw["ONE_TILE"] for _, kw in launches] == [one_tile], launches
             outs.append(out)
             close(out, ref, dtype)
             if lengths[2] == 0:
                 assert torch.equal(out[2], torch.zeros_like(out[2]))
         assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2]), (L, ns, lengths)
     # a split of more than one tile keeps the loop
-    flags.clear()
+    launches.clear()
     q, kc, vc, lens = _attn_inputs(1, HQ, HK, D, 4 * tile, dtype, seed=99, lengths=[4 * tile])
     out = decode_attention(q, kc, vc, lens, 4 * tile, num_splits=2, block_n=tile)
-    assert flags == [False]
+    assert [kw["ONE_TILE"] for _, kw in launches] == [False]
     close(out, decode_attention_ref(q, kc, vc, lens, 4 * tile), dtype)
 
 
