@@ -2,6 +2,8 @@
 
 * ``interpreting()``: True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``); the
   launchers then accept CPU tensors and pick small tiles so the interpreter stays fast.
+  Under it, importing this module also stops the interpreter from patching ``triton.language`` again at every
+  ``@triton.jit`` helper call (``_skip_interpreter_repatching``: the same work each time, a fifth of the CPU run).
 * ``next_pow2``/``cdiv``: integer helpers for tile sizes.
 * ``num_sms(device)``: multiprocessor count (cached), used by launch heuristics; a fixed 132 (H200) when
   interpreting or on CPU so heuristics stay deterministic.
@@ -41,6 +43,35 @@ import triton.language as tl
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _skip_interpreter_repatching() -> None:
+    """Under the interpreter (CPU development and CI): Triton's interpreter patches ``triton.language`` for a
+    kernel's launch and restores it after (``_patch_lang``), and patches it again, never restored, at every call
+    of a ``@triton.jit`` helper inside the kernel, although nothing changes then: the same functions replace the
+    same builtins. That repeat costs about a fifth of an interpreted decode step. Skipped when every language
+    module the helper sees is patched already (its ``load`` is no longer the builtin); any other call, and any
+    Triton without these internals, keeps Triton's own path."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_lang, scope = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "_LangPatchScope", None)
+    if patch_lang is None or scope is None or getattr(patch_lang, "skips_repatching", False):
+        return
+
+    def _patch_lang(fn):
+        langs = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
+        if langs and all(hasattr(lang, "load") and not tl.core.is_builtin(lang.load) for lang in langs):
+            return scope()  # patched by the launch running this helper, which restores it
+        return patch_lang(fn)
+
+    _patch_lang.skips_repatching = True
+    interpreter._patch_lang = _patch_lang
+
+
+if interpreting():
+    _skip_interpreter_repatching()
 
 
 def cdiv(a: int, b: int) -> int:

@@ -323,7 +323,10 @@ def test_status_line_on_a_terminal_from_the_start():
 
 # ---- Ctrl-C, in real processes ----
 _CHILD = r"""
-import os, sys, time
+import os, signal, sys, time
+
+# as in a terminal: a job a shell started in the background inherits SIGINT ignored, and Python then keeps it so
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import glmasr.audio.vad as vad
 
 real = vad.segment
