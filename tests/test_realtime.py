@@ -796,3 +796,28 @@ def test_data_parallel_engine_workers(tiny_shipped, asr):
     assert events[-1]["type"] == COMPLETED, events[-1]
     assert events[-1]["transcript"] == reference(asr, as_float(raw), 24000)
     assert "".join(e["delta"] for e in events if e["type"] == DELTA) == events[-1]["transcript"]
+
+
+def test_live_sessions_close_before_uvicorn_closes_the_connections():
+    """The drain's order, without timing: the server awaits ``before_shutdown`` (the realtime sessions' error event
+    and close) before uvicorn closes every connection with its own bare 1012 (on a busy event loop that close used
+    to come first, and the client saw no ``shutting_down`` event)."""
+    import uvicorn
+
+    from glmasr.server.http import make_server
+
+    order = []
+
+    class Connection:
+        def shutdown(self):
+            order.append("uvicorn closes the connection")
+
+    async def before():
+        await asyncio.sleep(0.05)
+        order.append("sessions closed")
+
+    server = make_server(uvicorn.Config(lambda scope, receive, send: None), before_shutdown=before)
+    server.server_state.connections.add(Connection())
+    server.servers, server.force_exit = [], True  # not started: no listening sockets, no lifespan to end
+    asyncio.run(server.shutdown())
+    assert order == ["sessions closed", "uvicorn closes the connection"]

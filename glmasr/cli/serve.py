@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     server = make_server(uvicorn_config(app, args.host, args.port, limits, log_level=args.log_level,
                                         log_config=log_config(args.log_level),
                                         timeout_graceful_shutdown=args.drain_timeout, lifespan="on",
-                                        ws_max_size=config.realtime.ws_max_size), on_exit=on_exit)
+                                        ws_max_size=config.realtime.ws_max_size), on_exit=on_exit,
+                         before_shutdown=app.state.close_live_sessions)
     server.run()
     return 0 if server.started or server.should_exit else 1
 

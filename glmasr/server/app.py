@@ -206,6 +206,7 @@ def create_app(asr, config: ServerConfig | None = None, frontend=None) -> FastAP
     app.state.uploads = uploads
     app.state.engine = engine
     app.state.begin_drain = begin_drain
+    app.state.close_live_sessions = live.close_sessions
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):

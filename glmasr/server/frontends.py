@@ -254,7 +254,8 @@ def frontend_main(spec: FrontendSpec, pipe) -> None:
                                         log_config=log_config(spec.log_level),
                                         timeout_graceful_shutdown=spec.drain_timeout_s, lifespan="on",
                                         ws_max_size=config.realtime.ws_max_size),
-                         on_exit=app.state.begin_drain, ignore_sigint=True)
+                         on_exit=app.state.begin_drain, ignore_sigint=True,
+                         before_shutdown=app.state.close_live_sessions)
     pipe.send(("listening", os.getpid()))
     pipe.close()
     server.run(sockets=[sock])

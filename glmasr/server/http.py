@@ -33,6 +33,7 @@ The body's own limits (idle time between chunks, total upload time, size) are th
 from __future__ import annotations
 
 import asyncio
+import logging
 import json
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -268,9 +269,11 @@ def _server_class():
     class Server(uvicorn.Server):
         """uvicorn's server, except that a SIGTERM/SIGINT that led to a graceful shutdown is not re-raised at the
         end (uvicorn re-raises it, so the process would die of the signal): the drained server exits with 0.
-        ``on_exit``: called at the signal (the engine workers stop being restarted)."""
+        ``on_exit``: called at the signal (the engine workers stop being restarted). ``before_shutdown``: awaited
+        before uvicorn closes the open connections (the realtime sessions close with their ``error`` event)."""
 
         on_exit = None
+        before_shutdown = None
         ignore_sigint = False  # a front-end of --frontends: Ctrl-C reaches the process group; the supervisor decides
 
         def handle_exit(self, sig, frame):
@@ -283,11 +286,20 @@ def _server_class():
             if isinstance(captured, list):
                 captured.clear()
 
+        async def shutdown(self, sockets=None):
+            if self.before_shutdown is not None:
+                try:
+                    await self.before_shutdown()
+                except Exception as e:  # the connections are closed below either way
+                    logging.getLogger(__name__).error("before shutdown: %s: %s", type(e).__name__, e)
+            await super().shutdown(sockets)
+
     return Server
 
 
-def make_server(config, on_exit=None, ignore_sigint: bool = False):
+def make_server(config, on_exit=None, ignore_sigint: bool = False, before_shutdown=None):
     server = _server_class()(config)
     server.on_exit = on_exit
     server.ignore_sigint = ignore_sigint
+    server.before_shutdown = before_shutdown
     return server

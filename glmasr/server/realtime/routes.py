@@ -125,11 +125,17 @@ class RealtimeService:
             return
         await self.vads.start()
 
-    async def stop(self) -> None:
+    async def close_sessions(self) -> None:
+        """Every open session gets ``error`` ``shutting_down`` and close 1012; returns once they ended (at most
+        CLOSE_GRACE_S). Run before the HTTP server closes its connections: its own close (1012 too) carries no
+        event, and on a busy loop it would otherwise come first."""
         for conn in list(self.connections):
             conn.finish("the server is shutting down", "shutting_down", 1012, type="server_error")
         if self.connections:
             await asyncio.wait([c.done for c in self.connections], timeout=CLOSE_GRACE_S)
+
+    async def stop(self) -> None:
+        await self.close_sessions()
         if self.vads is not None:
             await self.vads.stop()
 
