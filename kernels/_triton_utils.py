@@ -3,7 +3,7 @@
 * ``interpreting()``: True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``); the
   launchers then accept CPU tensors and pick small tiles so the interpreter stays fast.
   Under it, importing this module also stops the interpreter from patching ``triton.language`` again at every
-  ``@triton.jit`` helper call (``_skip_interpreter_repatching``: the same work each time, a fifth of the CPU run).
+  ``@triton.jit`` helper call (``_skip_interpreter_repatching``: the same work each time).
 * ``next_pow2``/``cdiv``: integer helpers for tile sizes.
 * ``num_sms(device)``: multiprocessor count (cached), used by launch heuristics; a fixed 132 (H200) when
   interpreting or on CPU so heuristics stay deterministic.
@@ -49,7 +49,7 @@ def _skip_interpreter_repatching() -> None:
     """Under the interpreter (CPU development and CI): Triton's interpreter patches ``triton.language`` for a
     kernel's launch and restores it after (``_patch_lang``), and patches it again, never restored, at every call
     of a ``@triton.jit`` helper inside the kernel, although nothing changes then: the same functions replace the
-    same builtins. That repeat costs about a fifth of an interpreted decode step. Skipped when every language
+    same builtins (its cost: notes/measurements.md, nineteenth session). Skipped when every language
     module the helper sees is patched already (its ``load`` is no longer the builtin); any other call, and any
     Triton without these internals, keeps Triton's own path."""
     try:

@@ -232,27 +232,30 @@ def speech_match(x: np.ndarray, ref: np.ndarray, piece: int = RATE // 5) -> tupl
     return matched, voiced
 
 
-def assert_is_the_speech(x: np.ndarray, wav: Path):
-    """``x`` (24 kHz) is the looped speech.wav up to Chromium's processing: at least 5 voiced 0.2 s pieces, and
-    4 in 5 of them found in the speech (noise, silence or a wrong rate match none: test_speech_match_fails)."""
+def speech_at_rate(wav: Path) -> np.ndarray:
+    """The file's samples at the page's RATE."""
     import soundfile as sf
 
     from glmasr.audio import resample
 
-    ref, rate = sf.read(str(wav), dtype="float32")
-    matched, voiced = speech_match(x, resample(ref, rate, RATE))
+    x, rate = sf.read(str(wav), dtype="float32")
+    return resample(x, rate, RATE)
+
+
+def assert_is_the_speech(x: np.ndarray, wav: Path):
+    """``x`` (24 kHz) is the looped speech.wav up to Chromium's processing: at least 5 voiced 0.2 s pieces, and
+    4 in 5 of them found in the speech (a wrong rate, noise or other speech match none:
+    test_speech_match_tolerates_drops_and_fails_on_other_audio)."""
+    matched, voiced = speech_match(x, speech_at_rate(wav))
     assert voiced >= 5 and matched >= 0.8 * voiced, (matched, voiced)
 
 
 def test_speech_match_tolerates_drops_and_fails_on_other_audio(speech_wav, tmp_path):
     """The check above, without a browser: the speech passes, also with a dropped and a repeated 10 ms buffer (the
     pieces across them may miss); the speech 5 % fast, noise of its loudness and another espeak-ng sentence fail."""
-    import soundfile as sf
-
     from glmasr.audio import resample
 
-    ref, rate = sf.read(str(speech_wav), dtype="float32")
-    ref = resample(ref, rate, RATE)
+    ref = speech_at_rate(speech_wav)
     x = np.tile(ref, 2)[int(0.2 * RATE): int(2.7 * RATE)]
     hop = RATE // 100
     glitched = np.concatenate([x[:hop * 30], x[hop * 31: hop * 120], x[hop * 119: hop * 121], x[hop * 121:]])
@@ -262,9 +265,8 @@ def test_speech_match_tolerates_drops_and_fails_on_other_audio(speech_wav, tmp_p
     other = tmp_path / "other.wav"
     subprocess.run(["espeak-ng", "-v", "en", "-s", "165", "-w", str(other), "a large size in stockings is hard to "
                     "sell"], check=True, capture_output=True)
-    other_x, other_rate = sf.read(str(other), dtype="float32")
     noise = (np.random.default_rng(0).standard_normal(len(x)) * np.sqrt(np.mean(x ** 2))).astype(np.float32)
-    for bad in (resample(x, RATE, int(RATE * 1.05))[: len(x)], noise, resample(other_x, other_rate, RATE)[: len(x)]):
+    for bad in (resample(x, RATE, int(RATE * 1.05))[: len(x)], noise, speech_at_rate(other)[: len(x)]):
         matched, voiced = speech_match(bad, ref)
         assert voiced >= 5 and matched <= 0.2 * voiced, (matched, voiced)
 

@@ -33,8 +33,8 @@ The body's own limits (idle time between chunks, total upload time, size) are th
 from __future__ import annotations
 
 import asyncio
-import logging
 import json
+import logging
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
